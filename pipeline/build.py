@@ -1,0 +1,166 @@
+"""Build a recipe: resolve the source, build each target in staging, validate, publish."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import Layout, artifacts_root, file_entries, publish, read_manifest, write_manifest
+from pipeline.constants import MANIFEST_NAME, MANIFEST_SCHEMA
+from pipeline.errors import DiskFullError, PipelineError
+from pipeline.hashing import json_sha256
+from pipeline.recipe import TargetSpec, load_recipe, select_targets
+from pipeline.source import resolve_source
+from pipeline.targets import BUILDERS, BuildContext
+from pipeline.targets.base import NullReporter, Reporter
+
+
+@dataclass
+class TargetResult:
+    """What happened to one target: built, up-to-date, planned or error."""
+
+    target: str
+    outcome: str
+    path: Path
+    validation: str | None = None
+    message: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    exit_code: int = 0
+
+
+def build_recipe(
+    recipe_path: str | Path,
+    targets: list[str] | None = None,
+    *,
+    dry_run: bool = False,
+    force: bool = False,
+    root: Path | None = None,
+    reporter: Reporter | None = None,
+    threads: int = 0,
+) -> list[TargetResult]:
+    """Build the selected targets of a recipe; one target's failure does not stop the others.
+
+    A full disk stops the build (every later target would fail the same way).
+    """
+    loaded = load_recipe(recipe_path)
+    selected = select_targets(loaded.recipe, targets)
+    layout = Layout(root or artifacts_root(), loaded.recipe.name)
+    if dry_run:
+        return [
+            TargetResult(name, "planned", layout.target_dir(name), message=_describe(spec))
+            for name, spec in selected.items()
+        ]
+    reporter = reporter or NullReporter()
+    reporter.step("source", "resolving source checkpoint")
+    source = resolve_source(loaded, layout.logs_dir / "source.log")
+    ctx = BuildContext(loaded=loaded, source=source, layout=layout, reporter=reporter, threads=threads)
+    results = []
+    for name, spec in selected.items():
+        t0 = time.perf_counter()
+        try:
+            result = _build_target(ctx, name, spec, force)
+        except DiskFullError:
+            raise
+        except PipelineError as exc:
+            result = TargetResult(
+                name, "error", layout.target_dir(name), message=str(exc), exit_code=exc.exit_code
+            )
+        result.seconds = time.perf_counter() - t0
+        results.append(result)
+    return results
+
+
+def _describe(spec: TargetSpec) -> str:
+    fields = spec.model_dump(exclude={"kind", "gates"})
+    return f"{spec.kind} " + " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def _inputs_sha256(ctx: BuildContext, name: str, spec: TargetSpec, toolchain: dict[str, Any]) -> str:
+    """Everything that decides an artifact's bytes and its validation numbers."""
+    r = ctx.loaded.recipe
+    return json_sha256(
+        {
+            "target": name,
+            "spec": spec.model_dump(),
+            "source": ctx.source.sha256,
+            "calibration": r.calibration.model_dump() if r.calibration else None,
+            "evaluation": r.evaluation.model_dump(),
+            "smoke": r.smoke.model_dump(),
+            "toolchain": toolchain,
+        }
+    )
+
+
+def _build_target(ctx: BuildContext, name: str, spec: TargetSpec, force: bool) -> TargetResult:
+    builder = BUILDERS[spec.kind]
+    final = ctx.layout.target_dir(name)
+    toolchain: dict[str, Any] = {}
+    for env in builder.environments:
+        toolchain.update(ctx.toolchain(env)["toolchain"])
+    inputs = _inputs_sha256(ctx, name, spec, toolchain)
+    if not force and (final / MANIFEST_NAME).is_file():
+        old = read_manifest(final)
+        if old.get("build", {}).get("inputs_sha256") == inputs:
+            return _result(name, "up-to-date", final, old)
+
+    t0 = time.perf_counter()
+    staging = ctx.layout.new_staging(name)
+    try:
+        ctx.reporter.step(name, "building")
+        built = builder.build(ctx, name, spec, staging)
+        build_s = time.perf_counter() - t0
+        files = file_entries(staging)
+        validation = builder.validate(ctx, name, spec, staging)
+        manifest = {
+            "schema": MANIFEST_SCHEMA,
+            "recipe": ctx.loaded.recipe.name,
+            "recipe_sha256": ctx.loaded.sha256,
+            "recipe_path": str(ctx.loaded.path),
+            "target": name,
+            "kind": spec.kind,
+            "engine": builder.engine,
+            "format": builder.format,
+            "quant": built.pop("quant"),
+            "source": ctx.source.info,
+            "files": files,
+            "toolchain": toolchain,
+            "build": {
+                "seconds": round(build_s, 2),
+                "gpu_arch": None,
+                "profile": None,
+                "inputs_sha256": inputs,
+                "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+                "spec": spec.model_dump(exclude={"gates"}),
+            },
+            "validation": validation,
+            "serve": {"command": builder.serve_command(spec)},
+            **built,
+        }
+        write_manifest(staging, manifest)
+        publish(staging, final)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise DiskFullError(f"{name}: no space left on device in {ctx.layout.recipe_dir}") from None
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return _result(name, "built", final, manifest)
+
+
+def _result(name: str, outcome: str, path: Path, manifest: dict[str, Any]) -> TargetResult:
+    validation = manifest.get("validation", {})
+    return TargetResult(
+        name,
+        outcome,
+        path,
+        validation=validation.get("status"),
+        message=validation.get("reason"),
+        metrics=validation.get("metrics", {}),
+    )
+

@@ -1,0 +1,199 @@
+"""The `pipeline` command: thin Typer commands over library functions; errors become exit codes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from pipeline.artifacts import artifacts_root, iter_artifacts, read_manifest
+from pipeline.build import TargetResult, build_recipe
+from pipeline.errors import PipelineError, ValidationFailed
+from pipeline.recipe import load_recipe
+from pipeline.workers import ENVIRONMENTS, interpreter, run_worker
+
+app = typer.Typer(help="Build, validate and record LLM deployment artifacts from one recipe.", no_args_is_help=True)
+recipe_app = typer.Typer(help="Recipe commands.", no_args_is_help=True)
+app.add_typer(recipe_app, name="recipe")
+out = Console()
+err = Console(stderr=True)
+
+T = TypeVar("T")
+RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML file.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+
+def _run(fn: Callable[[], T]) -> T:
+    """Call library code; a PipelineError becomes one line on stderr and its exit code."""
+    try:
+        return fn()
+    except PipelineError as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+
+
+class _RichReporter:
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.task = progress.add_task("starting", total=None)
+
+    def step(self, target: str, message: str) -> None:
+        self.progress.update(self.task, description=f"[bold]{target}[/]: {message}")
+
+
+@app.command()
+def build(
+    recipe: RecipeArg,
+    targets: Annotated[str | None, typer.Option(help="Comma-separated target names (default: all).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the recipe and show the plan.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Rebuild even if up to date.")] = False,
+    threads: Annotated[int, typer.Option(help="Threads for llama.cpp (0: all cores).")] = 0,
+) -> None:
+    """Build, validate and publish a recipe's artifacts."""
+    names = [t.strip() for t in targets.split(",") if t.strip()] if targets else None
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True
+    ) as progress:
+        reporter = _RichReporter(progress)
+        results = _run(
+            lambda: build_recipe(recipe, names, dry_run=dry_run, force=force, reporter=reporter, threads=threads)
+        )
+    out.print(_summary(results))
+    errors = [r for r in results if r.outcome == "error"]
+    failed = [r for r in results if r.validation == "failed"]
+    for r in errors:
+        err.print(f"[bold red]error:[/] {r.target}: {r.message}", highlight=False, soft_wrap=True)
+    if errors:
+        raise typer.Exit(max(r.exit_code for r in errors))
+    if failed:
+        err.print(f"[bold red]error:[/] validation failed for {', '.join(r.target for r in failed)}")
+        raise typer.Exit(ValidationFailed.exit_code)
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _summary(results: list[TargetResult]) -> Table:
+    table = Table(title="build summary")
+    for col in ("target", "outcome", "validation", "ΔPPL %", "KLD", "agree", "tok/s", "time", "path / note"):
+        table.add_column(col)
+    for r in results:
+        m = r.metrics
+        colour = {"passed": "green", "failed": "red"}.get(r.validation or "", "yellow")
+        table.add_row(
+            r.target,
+            r.outcome,
+            f"[{colour}]{r.validation or '-'}[/]",
+            _fmt(m.get("ppl_delta_pct"), "+.2f"),
+            _fmt(m.get("kld_mean"), ".4f"),
+            _fmt(m.get("token_agreement"), ".2f"),
+            _fmt(m.get("tokens_per_s"), ".0f"),
+            f"{r.seconds:.0f}s",
+            r.message if r.outcome in ("error", "planned") else str(r.path),
+        )
+    return table
+
+
+@recipe_app.command("check")
+def recipe_check(recipe: RecipeArg) -> None:
+    """Validate a recipe (schema, values, referenced files) without building."""
+    loaded = _run(lambda: load_recipe(recipe))
+    r = loaded.recipe
+    targets = ", ".join(f"{n} ({t.kind})" for n, t in r.targets.items())
+    out.print(f"ok: {loaded.path}: recipe {r.name!r}, {len(r.targets)} targets: {targets}", highlight=False)
+
+
+@app.command("list")
+def list_artifacts(as_json: JsonOpt = False) -> None:
+    """List published artifacts and their validation status."""
+    rows = _run(lambda: list(iter_artifacts(artifacts_root())))
+    if as_json:
+        out.print_json(json.dumps([{"path": str(d), **_brief(m)} for d, m in rows]))
+        return
+    table = Table(title=f"artifacts in {artifacts_root()}")
+    for col in ("recipe", "target", "engine", "quant", "validation", "ΔPPL %", "KLD", "MiB"):
+        table.add_column(col)
+    for _, m in rows:
+        b = _brief(m)
+        table.add_row(
+            b["recipe"],
+            b["target"],
+            b["engine"],
+            b["quant"],
+            b["validation"],
+            _fmt(b["ppl_delta_pct"], "+.2f"),
+            _fmt(b["kld_mean"], ".4f"),
+            f"{b['bytes'] / 2**20:.0f}",
+        )
+    out.print(table)
+
+
+def _brief(m: dict[str, Any]) -> dict[str, Any]:
+    metrics = m.get("validation", {}).get("metrics", {})
+    return {
+        "recipe": m["recipe"],
+        "target": m["target"],
+        "engine": m["engine"],
+        "quant": m["quant"],
+        "validation": m.get("validation", {}).get("status"),
+        "ppl_delta_pct": metrics.get("ppl_delta_pct"),
+        "kld_mean": metrics.get("kld_mean"),
+        "bytes": sum(f["bytes"] for f in m.get("files", [])),
+    }
+
+
+@app.command()
+def show(artifact: Annotated[str, typer.Argument(help="RECIPE/TARGET")], as_json: JsonOpt = False) -> None:
+    """Show one artifact's manifest."""
+    manifest = _run(lambda: read_manifest(artifacts_root() / artifact))
+    if as_json:
+        out.print_json(json.dumps(manifest))
+        return
+    v = manifest["validation"]
+    out.print(f"[bold]{manifest['recipe']}/{manifest['target']}[/] {manifest['engine']} {manifest['quant']}")
+    out.print(f"validation: {v['status']}" + (f" ({v['reason']})" if v.get("reason") else ""))
+    for key, value in v.get("metrics", {}).items():
+        out.print(f"  {key}: {value}")
+    out.print(f"source: {manifest['source']}")
+    out.print(f"toolchain: {manifest['toolchain']}")
+    for f in manifest["files"]:
+        out.print(f"  {f['path']}  {f['bytes']} bytes  sha256 {f['sha256'][:16]}…")
+    out.print(f"serve: {manifest['serve']['command']}")
+
+
+@app.command("env")
+def env_status(as_json: JsonOpt = False) -> None:
+    """Show each step environment: its interpreter and tool versions (or why it is unusable)."""
+    from pipeline.targets.base import ENV_WORKERS
+
+    status: dict[str, Any] = {}
+    log = artifacts_root() / ".logs" / "env.log"
+    for env, what in ENVIRONMENTS.items():
+        entry: dict[str, Any] = {"purpose": what, "python": interpreter(env)}
+        try:
+            entry.update(run_worker(env, ENV_WORKERS[env], {"op": "toolchain"}, log))
+            entry["status"] = "ok"
+        except PipelineError as exc:
+            entry["status"] = f"unusable: {exc}"
+        status[env] = entry
+    if as_json:
+        out.print_json(json.dumps(status))
+        return
+    for env, entry in status.items():
+        out.print(f"[bold]{env}[/] ({entry['purpose']}): {entry['status']}", highlight=False)
+        out.print(f"  python: {entry['python']}")
+        for tool, ver in entry.get("toolchain", {}).items():
+            out.print(f"  {tool}: {ver}", highlight=False)
+    if any(e["status"] != "ok" for e in status.values()):
+        raise typer.Exit(5)
+
+
+if __name__ == "__main__":
+    app()

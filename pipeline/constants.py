@@ -1,0 +1,50 @@
+"""Data-only constants shared by the core and the engine workers (stdlib only, no imports)."""
+
+# The artifact manifest: file name and schema tag. Field names are an interface (see DESIGN.md).
+MANIFEST_NAME = "manifest.json"
+MANIFEST_SCHEMA = "pipeline.artifact/v1"
+
+# Validation statuses a manifest may carry.
+STATUS_PASSED = "passed"
+STATUS_FAILED = "failed"
+STATUS_SKIPPED = "skipped"
+STATUS_UNAVAILABLE = "unavailable"
+
+# Working directories under artifacts/<recipe>/ that never look like artifacts.
+CACHE_DIRNAME = ".cache"
+LOGS_DIRNAME = ".logs"
+STAGING_PREFIX = ".staging-"
+
+# GGUF quant name -> (step that makes it, converter --outtype or llama_ftype constant name).
+# "convert": llama.cpp's convert_hf_to_gguf.py writes it directly from the HF checkpoint.
+# "quantize": llama_model_quantize() writes it from the F16 base conversion.
+GGUF_QUANTS: dict[str, tuple[str, str]] = {
+    "F32": ("convert", "f32"),
+    "F16": ("convert", "f16"),
+    "BF16": ("convert", "bf16"),
+    "Q8_0": ("quantize", "LLAMA_FTYPE_MOSTLY_Q8_0"),
+    "Q6_K": ("quantize", "LLAMA_FTYPE_MOSTLY_Q6_K"),
+    "Q5_K_M": ("quantize", "LLAMA_FTYPE_MOSTLY_Q5_K_M"),
+    "Q4_K_M": ("quantize", "LLAMA_FTYPE_MOSTLY_Q4_K_M"),
+    "Q4_0": ("quantize", "LLAMA_FTYPE_MOSTLY_Q4_0"),
+    "IQ4_NL": ("quantize", "LLAMA_FTYPE_MOSTLY_IQ4_NL"),
+    "IQ4_XS": ("quantize", "LLAMA_FTYPE_MOSTLY_IQ4_XS"),
+}
+GGUF_BASE_OUTTYPE = "f16"  # the converter output every quantized GGUF target starts from
+GGUF_FILE = "model.gguf"
+
+# Checkpoint files: weights we accept, and pickle formats we refuse to load.
+SAFE_WEIGHT_SUFFIXES = (".safetensors",)
+PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Files fetched from a hub repo (weights, configs, tokenizer); pickles are never downloaded.
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+# Named texts shipped in pipeline/data, usable as `builtin:<name>` in recipes.
+BUILTIN_TEXTS = {
+    "apache-2.0": "apache-2.0.txt",  # Apache License 2.0: the default evaluation text
+    "gpl-3.0": "gpl-3.0.txt",  # GNU GPL v3: the default calibration text
+}
+
+# Environment names: each engine/tool step runs with that environment's interpreter.
+ENV_LLAMACPP = "llamacpp"  # llama-cpp-python runtime + the converter and gguf-py of the same commit
+ENV_TRANSFORMERS = "transformers"  # torch + transformers: reference model, imatrix, materialising

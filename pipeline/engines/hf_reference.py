@@ -1,0 +1,220 @@
+"""Worker for the `transformers` environment: the unquantized reference, imatrix, materialising.
+
+Runs only as `python -m pipeline.engines.hf_reference REQUEST RESULT` (see pipeline.workers);
+torch and transformers are imported inside the ops.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.workers import worker_main
+
+EOT_TOKEN = "<|im_end|>"  # ChatML end of turn (SmolLM2, Qwen2)
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {"transformers": transformers.__version__, "torch": torch.__version__}
+
+
+def _load(model_dir: str, trust_remote_code: bool) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code
+    )
+    model.eval()
+    return tok, model
+
+
+def read_text(path: str) -> str:
+    """A .txt file as is; a .jsonl file's `text` fields joined by blank lines."""
+    p = Path(path)
+    if p.suffix == ".jsonl":
+        lines = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        return "\n\n".join(obj["text"] for obj in lines)
+    return p.read_text()
+
+
+def prompt_ids(tok: Any, prompt: str, chat: bool) -> list[int]:
+    """Token ids of a smoke prompt: chat-formatted when the tokenizer has a template."""
+    if chat and getattr(tok, "chat_template", None):
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tok(prompt)["input_ids"]]
+
+
+def op_reference(req: dict[str, Any]) -> dict[str, Any]:
+    """Reference numbers on the source checkpoint: eval logits (saved), PPL, greedy generations."""
+    import numpy as np
+    import torch
+
+    t0 = time.perf_counter()
+    tok, model = _load(req["model_dir"], req["trust_remote_code"])
+    load_s = time.perf_counter() - t0
+    ids = tok(read_text(req["eval_text_path"]), add_special_tokens=False)["input_ids"]
+    ctx, want = req["ctx"], req["eval_tokens"]
+    n_chunks = min(len(ids), want) // ctx
+    if n_chunks == 0:
+        raise ValueError(f"evaluation text has {len(ids)} tokens, fewer than one ctx of {ctx}")
+    eval_ids = ids[: n_chunks * ctx]
+    out = Path(req["out_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    nll, n_pred, all_logits = 0.0, 0, []
+    t1 = time.perf_counter()
+    with torch.inference_mode():
+        for c in range(n_chunks):
+            chunk = torch.tensor([eval_ids[c * ctx : (c + 1) * ctx]])
+            logits = model(chunk).logits[0].float()
+            logp = torch.log_softmax(logits.double(), dim=-1)
+            nll -= logp[:-1].gather(1, chunk[0, 1:, None]).sum().item()
+            n_pred += ctx - 1
+            all_logits.append(logits.numpy())
+    eval_s = time.perf_counter() - t1
+    np.save(out / "logits.npy", np.concatenate(all_logits).astype(np.float32))
+
+    eos = model.generation_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    generations = []
+    with torch.inference_mode():
+        for prompt in req["prompts"]:
+            p_ids = prompt_ids(tok, prompt, req["chat"])
+            gen = model.generate(
+                torch.tensor([p_ids]),
+                attention_mask=torch.ones(1, len(p_ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=req["max_new_tokens"],
+                eos_token_id=eos_ids or None,
+                pad_token_id=eos_ids[0] if eos_ids else None,
+            )
+            new = [int(t) for t in gen[0, len(p_ids) :]]
+            generations.append(
+                {
+                    "prompt": prompt,
+                    "prompt_ids": p_ids,
+                    "output_ids": new,
+                    "text": tok.decode(new, skip_special_tokens=True),
+                    "stopped_at_eos": bool(new) and new[-1] in eos_ids,
+                }
+            )
+    return {
+        "eval_ids": eval_ids,
+        "ctx": ctx,
+        "vocab": int(all_logits[0].shape[-1]),
+        "ppl": float(np.exp(nll / n_pred)),
+        "eos_token_ids": eos_ids,
+        "generations": generations,
+        "load_s": load_s,
+        "eval_tokens_per_s": len(eval_ids) / eval_s,
+        "toolchain": _versions(),
+    }
+
+
+def op_imatrix(req: dict[str, Any]) -> dict[str, Any]:
+    """Importance matrix for llama.cpp: mean of squared inputs per column of every Linear layer.
+
+    Tensors are named as in the GGUF (gguf-py's own HF->GGUF name map for the architecture), so
+    llama_model_quantize() can use them; the result is an .npz of name -> float32 vector.
+    """
+    import gguf
+    import numpy as np
+    import torch
+
+    tok, model = _load(req["model_dir"], req["trust_remote_code"])
+    ids = tok(read_text(req["text_path"]), add_special_tokens=False)["input_ids"]
+    seq = req["seq_len"]
+    chunks = [ids[i : i + seq] for i in range(0, len(ids) - seq + 1, seq)]
+    if not chunks:
+        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than seq_len {seq}")
+    rng = np.random.default_rng(req["seed"])
+    if len(chunks) > req["samples"]:
+        chunks = [chunks[i] for i in sorted(rng.choice(len(chunks), req["samples"], replace=False))]
+
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[req["gguf_arch"]]
+    n_blocks = model.config.num_hidden_layers
+    name_map = gguf.get_tensor_name_map(arch, n_blocks)
+    wanted: dict[str, int] = req["gguf_tensors"]  # GGUF weight name -> input size (ne[0])
+    sums: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    hooks = []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        gguf_name = name_map.get_name(f"{module_name}.weight", try_suffixes=(".weight",))
+        if gguf_name not in wanted:
+            continue
+        if wanted[gguf_name] != module.in_features:
+            raise ValueError(f"{gguf_name}: GGUF row size {wanted[gguf_name]} != {module.in_features}")
+
+        def hook(_mod: Any, inputs: tuple[Any, ...], name: str = gguf_name) -> None:
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+            sums[name] = sums.get(name, 0) + (x * x).sum(0)
+            counts[name] = counts.get(name, 0) + x.shape[0]
+
+        hooks.append(module.register_forward_pre_hook(hook))
+    if not hooks:
+        raise ValueError(f"no Linear layer of the model maps to a GGUF tensor of arch {req['gguf_arch']}")
+    with torch.inference_mode():
+        for chunk in chunks:
+            model(torch.tensor([chunk]))
+    for h in hooks:
+        h.remove()
+    data = {name: (sums[name] / counts[name]).float().numpy() for name in sums}
+    np.savez(req["out_path"], **data)
+    return {
+        "tensors": len(data),
+        "chunks": len(chunks),
+        "tokens": sum(len(c) for c in chunks),
+        "toolchain": _versions(),
+    }
+
+
+def op_materialise_gguf(req: dict[str, Any]) -> dict[str, Any]:
+    """Dequantize a GGUF (e.g. the packaged SmolLM2) into an ordinary HF safetensors checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    src, name, out = Path(req["gguf_path"]), Path(req["gguf_path"]).name, Path(req["out_dir"])
+    tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(
+        src.parent, gguf_file=name, quantization_config=GgufConfig(dequantize=True)
+    )
+    # Older transformers derive eos=<|im_start|> from this GGUF; the end of a turn is <|im_end|>.
+    eot = tok.convert_tokens_to_ids(EOT_TOKEN) if EOT_TOKEN in tok.get_vocab() else None
+    if eot is not None and tok.eos_token != EOT_TOKEN:
+        tok.eos_token = EOT_TOKEN
+        model.config.eos_token_id = eot
+        model.generation_config.eos_token_id = eot
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    written = AutoTokenizer.from_pretrained(out)
+    if eot is not None and written.eos_token_id != eot:
+        raise ValueError(f"written tokenizer has eos {written.eos_token!r}, expected {EOT_TOKEN}")
+    return {"eos_token": written.eos_token, "eos_token_id": written.eos_token_id, "toolchain": _versions()}
+
+
+def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
+    return {"toolchain": _versions()}
+
+
+if __name__ == "__main__":
+    worker_main(
+        {
+            "reference": op_reference,
+            "imatrix": op_imatrix,
+            "materialise_gguf": op_materialise_gguf,
+            "toolchain": op_toolchain,
+        }
+    )

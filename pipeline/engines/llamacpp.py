@@ -1,0 +1,247 @@
+"""Worker for the `llamacpp` environment: convert, quantize, inspect and validate GGUF files.
+
+Runs only as `python -m pipeline.engines.llamacpp REQUEST RESULT` (see pipeline.workers). The
+converter and gguf-py come from the llama-cpp-python sdist of the installed runtime (placed in
+`<env prefix>/share/pipeline/llama.cpp` by scripts/setup.sh), so one llama.cpp commit converts,
+quantizes and serves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pipeline.constants import GGUF_QUANTS
+from pipeline.workers import worker_main
+
+
+def llama_cpp_dir() -> Path:
+    """The converter directory that belongs to this environment's llama-cpp-python."""
+    override = os.environ.get("PIPELINE_LLAMA_CPP_DIR")
+    return Path(override) if override else Path(sys.prefix) / "share" / "pipeline" / "llama.cpp"
+
+
+def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
+    """Versions of everything in this environment that touches a GGUF."""
+    import gguf
+    import llama_cpp
+    import numpy
+
+    build_file = llama_cpp_dir() / "BUILD.json"
+    if not build_file.is_file():
+        raise FileNotFoundError(f"{build_file} missing: run scripts/setup.sh to install the converter")
+    build = json.loads(build_file.read_text())
+    if build["llama_cpp_python"] != llama_cpp.__version__:
+        raise RuntimeError(
+            f"converter is from llama-cpp-python {build['llama_cpp_python']} but the runtime is "
+            f"{llama_cpp.__version__}: rerun scripts/setup.sh"
+        )
+    converter = llama_cpp_dir() / "convert_hf_to_gguf.py"
+    toolchain = {
+        "llama.cpp": build["llama_cpp_commit"],
+        "llama-cpp-python": llama_cpp.__version__,
+        "llama-cpp-python-sdist-sha256": build["sdist_sha256"],
+        "gguf": _dist_version("gguf"),
+        "numpy": numpy.__version__,
+        "python": sys.version.split()[0],
+        "convert_hf_to_gguf.py-sha256": hashlib.sha256(converter.read_bytes()).hexdigest(),
+    }
+    for dist in ("torch", "transformers"):  # the converter reads checkpoints with these
+        toolchain[dist] = _dist_version(dist)
+    _ = gguf  # imported to prove the vendored gguf-py is importable here
+    return {
+        "toolchain": toolchain,
+        "cmake_args": build.get("cmake_args"),
+        "system_info": llama_cpp.llama_print_system_info().decode().strip(),
+        "converter": str(converter),
+    }
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def op_convert(req: dict[str, Any]) -> dict[str, Any]:
+    """HF checkpoint -> GGUF with llama.cpp's own convert_hf_to_gguf.py."""
+    converter = llama_cpp_dir() / "convert_hf_to_gguf.py"
+    out = Path(req["out_path"])
+    cmd = [sys.executable, str(converter), req["model_dir"], "--outfile", str(out), "--outtype", req["outtype"]]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    sys.stdout.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not out.is_file():
+        out.unlink(missing_ok=True)
+        raise RuntimeError(f"convert_hf_to_gguf.py failed: {_converter_error(proc.stderr)}")
+    return {"seconds": time.perf_counter() - t0, "command": " ".join(cmd[1:])}
+
+
+def _converter_error(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("ERROR:") or "Error" in ln.split(":")[0]:
+            if "No space left on device" in ln:
+                raise OSError(28, "No space left on device")
+            return ln.removeprefix("ERROR:hf-to-gguf:")
+    return lines[-1] if lines else "no output"
+
+
+def op_quantize(req: dict[str, Any]) -> dict[str, Any]:
+    """F16 GGUF -> quantized GGUF with llama_model_quantize(), optionally with an imatrix."""
+    import llama_cpp
+    import numpy as np
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, GGUF_QUANTS[req["quant"]][1])
+    params.nthread = req.get("threads", 0)
+    keep_alive: list[Any] = []
+    if req.get("imatrix_path"):
+        data = np.load(req["imatrix_path"])
+        entries = (llama_cpp.llama_model_imatrix_data * (len(data.files) + 1))()
+        for i, name in enumerate(data.files):
+            arr = np.ascontiguousarray(data[name], dtype=np.float32)
+            key = name.encode()
+            keep_alive += [arr, key]
+            entries[i].name = key
+            entries[i].data = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = arr.size
+        entries[len(data.files)].name = None  # the list ends at a null name
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+        keep_alive.append(entries)
+    t0 = time.perf_counter()
+    rc = llama_cpp.llama_model_quantize(
+        req["in_path"].encode(), req["out_path"].encode(), ctypes.byref(params)
+    )
+    if rc != 0:
+        Path(req["out_path"]).unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize to {req['quant']} failed (code {rc}); see log")
+    return {"seconds": time.perf_counter() - t0}
+
+
+def op_inspect(req: dict[str, Any]) -> dict[str, Any]:
+    """What is really in a GGUF: architecture, file type, tensor types, matmul row sizes."""
+    import gguf
+
+    reader = gguf.GGUFReader(req["path"])
+    arch_field = reader.get_field("general.architecture")
+    arch = arch_field.contents() if arch_field else None
+    types = Counter(t.tensor_type.name for t in reader.tensors)
+    rows = {t.name: int(t.shape[0]) for t in reader.tensors if len(t.shape) == 2}
+    return {"architecture": arch, "tensor_types": dict(types), "tensors": len(reader.tensors), "rows": rows}
+
+
+def op_validate(req: dict[str, Any]) -> dict[str, Any]:
+    """Score a GGUF in llama.cpp against the transformers reference: PPL, KLD, agreement, speed."""
+    import llama_cpp
+    import numpy as np
+
+    ref = req["reference"]
+    ctx = ref["ctx"]
+    longest = max(len(g["prompt_ids"]) for g in ref["generations"]) + req["max_new_tokens"] + 8
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(
+        model_path=req["gguf_path"],
+        n_ctx=max(ctx, longest),
+        n_batch=ctx,
+        logits_all=True,
+        n_threads=req.get("threads") or None,
+        seed=0,
+        verbose=False,
+    )
+    load_s = time.perf_counter() - t0
+    ref_logits = np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r")
+    eval_ids = ref["eval_ids"]
+    vocab = min(llm.n_vocab(), ref_logits.shape[1])
+    nll = kld = 0.0
+    n_pred = same_top = 0
+    eval_s = 0.0
+    for c in range(len(eval_ids) // ctx):
+        chunk = eval_ids[c * ctx : (c + 1) * ctx]
+        llm.reset()
+        t1 = time.perf_counter()
+        llm.eval(chunk)
+        eval_s += time.perf_counter() - t1
+        ours = np.array(llm.scores[: ctx - 1, :vocab], dtype=np.float64)
+        theirs = np.array(ref_logits[c * ctx : (c + 1) * ctx - 1, :vocab], dtype=np.float64)
+        logq, logp = _log_softmax(ours), _log_softmax(theirs)
+        nxt = np.array(chunk[1:])
+        nll -= logq[np.arange(ctx - 1), nxt].sum()
+        kld += (np.exp(logp) * (logp - logq)).sum()
+        same_top += int((ours.argmax(1) == theirs.argmax(1)).sum())
+        n_pred += ctx - 1
+    ppl = float(np.exp(nll / n_pred))
+
+    vocab_p = llama_cpp.llama_model_get_vocab(llm.model)
+    generations, agreements, decode_tokens, decode_s = [], [], 0, 0.0
+    for g in ref["generations"]:
+        llm.reset()
+        out: list[int] = []
+        t_first = None
+        for tok in llm.generate(g["prompt_ids"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            if t_first is None:
+                t_first = time.perf_counter()
+            out.append(int(tok))
+            if llama_cpp.llama_vocab_is_eog(vocab_p, tok) or len(out) >= req["max_new_tokens"]:
+                break
+        if t_first is not None and len(out) > 1:
+            decode_s += time.perf_counter() - t_first
+            decode_tokens += len(out) - 1
+        want = g["output_ids"]
+        prefix = next((i for i, (a, b) in enumerate(zip(out, want)) if a != b), min(len(out), len(want)))
+        agreements.append(prefix / max(len(want), 1) if want else float(not out))
+        generations.append(
+            {
+                "prompt": g["prompt"],
+                "text": llm.detokenize(out).decode("utf-8", errors="replace"),
+                "reference_text": g["text"],
+                "tokens": len(out),
+                "stopped_at_eos": bool(out) and llama_cpp.llama_vocab_is_eog(vocab_p, out[-1]),
+                "leading_tokens_agreed": prefix,
+            }
+        )
+    text = Path(req["eval_text_path"]).read_text().encode()
+    ours_ids = llm.tokenize(text, add_bos=False, special=False)[: len(eval_ids)]
+    tok_same = next((i for i, (a, b) in enumerate(zip(ours_ids, eval_ids)) if a != b), len(eval_ids))
+    return {
+        "ppl": ppl,
+        "kld_mean": kld / n_pred,
+        "top1_agreement": same_top / n_pred,
+        "token_agreement": float(np.mean(agreements)),
+        "tokens_per_s": decode_tokens / decode_s if decode_s else None,
+        "prompt_tokens_per_s": n_pred / eval_s if eval_s else None,
+        "load_s": load_s,
+        "eos_token_id": llm.token_eos(),
+        "tokenizer_prefix_match": tok_same / len(eval_ids),
+        "generations": generations,
+    }
+
+
+def _log_softmax(x: Any) -> Any:
+    import numpy as np
+
+    x = x - x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+if __name__ == "__main__":
+    worker_main(
+        {
+            "toolchain": op_toolchain,
+            "convert": op_convert,
+            "quantize": op_quantize,
+            "inspect": op_inspect,
+            "validate": op_validate,
+        }
+    )

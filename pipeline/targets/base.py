@@ -1,0 +1,140 @@
+"""The builder interface every target family implements, and the shared build context."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from pipeline.artifacts import Layout
+from pipeline.constants import ENV_LLAMACPP, ENV_TRANSFORMERS, STATUS_FAILED, STATUS_PASSED
+from pipeline.hashing import file_sha256, json_sha256
+from pipeline.recipe import Gates, LoadedRecipe, TargetSpec
+from pipeline.source import ResolvedSource
+from pipeline.workers import run_worker
+
+# Each environment's worker module, which answers the `toolchain` op.
+ENV_WORKERS = {ENV_LLAMACPP: "pipeline.engines.llamacpp", ENV_TRANSFORMERS: "pipeline.engines.hf_reference"}
+
+
+class Reporter(Protocol):
+    """Where the library reports progress; the CLI draws it, tests may ignore it."""
+
+    def step(self, target: str, message: str) -> None: ...
+
+
+class NullReporter:
+    def step(self, target: str, message: str) -> None:
+        pass
+
+
+@dataclass
+class BuildContext:
+    """What every builder of one recipe shares: source, layout, caches of shared steps."""
+
+    loaded: LoadedRecipe
+    source: ResolvedSource
+    layout: Layout
+    reporter: Reporter = field(default_factory=NullReporter)
+    threads: int = 0  # 0: let the engine decide
+    _toolchains: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _reference: dict[str, Any] | None = None
+
+    def log_path(self, name: str) -> Path:
+        return self.layout.logs_dir / f"{name}.log"
+
+    def worker(self, env: str, module: str, request: dict[str, Any], log: str) -> dict[str, Any]:
+        return run_worker(env, module, request, self.log_path(log))
+
+    def toolchain(self, env: str) -> dict[str, Any]:
+        """Versions in environment `env` (asked once per build)."""
+        if env not in self._toolchains:
+            self._toolchains[env] = self.worker(env, ENV_WORKERS[env], {"op": "toolchain"}, "toolchain")
+        return self._toolchains[env]
+
+    def reference(self) -> tuple[dict[str, Any], Path]:
+        """The transformers reference on the source: computed once per inputs, cached on disk."""
+        r = self.loaded.recipe
+        eval_path = self.loaded.text_path(r.evaluation.text)
+        key = json_sha256(
+            {
+                "source": self.source.sha256,
+                "eval_text": file_sha256(eval_path),
+                "evaluation": r.evaluation.model_dump(),
+                "smoke": r.smoke.model_dump(),
+                "toolchain": self.toolchain(ENV_TRANSFORMERS)["toolchain"],
+            }
+        )[:16]
+        out = self.layout.cache_dir / f"reference-{key}"
+        if not (out / "reference.json").is_file():
+            self.reporter.step("reference", "computing the transformers reference")
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            result = self.worker(
+                ENV_TRANSFORMERS,
+                "pipeline.engines.hf_reference",
+                {
+                    "op": "reference",
+                    "model_dir": str(self.source.path),
+                    "trust_remote_code": r.source.trust_remote_code,
+                    "eval_text_path": str(eval_path),
+                    "eval_tokens": r.evaluation.tokens,
+                    "ctx": r.evaluation.ctx,
+                    "prompts": r.smoke.prompts,
+                    "max_new_tokens": r.smoke.max_new_tokens,
+                    "chat": r.smoke.chat,
+                    "out_dir": str(tmp),
+                },
+                "reference",
+            )
+            (tmp / "reference.json").write_text(json.dumps(result))
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+        if self._reference is None:
+            self._reference = json.loads((out / "reference.json").read_text())
+        return self._reference, out
+
+
+def gate(metrics: dict[str, Any], gates: Gates) -> tuple[str, str | None]:
+    """(status, reason): perplexity and KLD gate; token agreement gates only if the recipe asks."""
+    failures = []
+    if metrics["ppl_delta_pct"] > gates.max_ppl_delta_pct:
+        failures.append(f"ΔPPL {metrics['ppl_delta_pct']:.3f}% > {gates.max_ppl_delta_pct}%")
+    if metrics["kld_mean"] > gates.max_kld_mean:
+        failures.append(f"KLD {metrics['kld_mean']:.5f} > {gates.max_kld_mean}")
+    if metrics["token_agreement"] < gates.min_token_agreement:
+        failures.append(f"token agreement {metrics['token_agreement']:.2f} < {gates.min_token_agreement}")
+    return (STATUS_FAILED, "; ".join(failures)) if failures else (STATUS_PASSED, None)
+
+
+class TargetBuilder(ABC):
+    """Build one target kind into a directory, then validate it in its serving engine."""
+
+    kind: ClassVar[str]
+    engine: ClassVar[str]  # the serving engine recorded in the manifest
+    format: ClassVar[str]  # the artifact format recorded in the manifest
+    environments: ClassVar[tuple[str, ...]]  # environments whose versions the manifest records
+
+    @abstractmethod
+    def build(self, ctx: BuildContext, name: str, spec: TargetSpec, out: Path) -> dict[str, Any]:
+        """Write the engine files into `out`; return manifest fields (quant, details)."""
+
+    @abstractmethod
+    def validate(self, ctx: BuildContext, name: str, spec: TargetSpec, artifact: Path) -> dict[str, Any]:
+        """Score the artifact in its engine; return the manifest's `validation` section."""
+
+    @abstractmethod
+    def serve_command(self, spec: TargetSpec) -> str:
+        """The command a deploy job runs; ${ARTIFACT_DIR} stands for the artifact's directory."""
+
+
+BUILDERS: dict[str, TargetBuilder] = {}
+
+
+def register(builder_cls: type[TargetBuilder]) -> type[TargetBuilder]:
+    """Class decorator: make a builder available under its kind name."""
+    BUILDERS[builder_cls.kind] = builder_cls()
+    return builder_cls

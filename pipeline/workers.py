@@ -1,0 +1,109 @@
+"""Run an engine/tool step as a subprocess in its own environment, speaking JSON files in and out.
+
+The core never imports an engine. It starts `<env python> -m <module> REQUEST.json RESULT.json`;
+the module's ops run there (heavy imports inside them) and write a JSON result, or a JSON error
+with a one-line message. Stdlib only: this file is imported on both sides.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pipeline.constants import ENV_LLAMACPP, ENV_TRANSFORMERS
+from pipeline.errors import DiskFullError, EngineError, PipelineError
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+# Environment name -> what runs there. The interpreter comes from PIPELINE_<NAME>_PYTHON, else
+# the interpreter running the core (the project venv made by scripts/setup.sh holds both here).
+ENVIRONMENTS = {
+    ENV_LLAMACPP: "llama.cpp runtime (llama-cpp-python), its converter and gguf-py",
+    ENV_TRANSFORMERS: "torch + transformers: reference model, imatrix, source materialising",
+}
+
+
+def interpreter(env: str) -> str:
+    """The Python interpreter of environment `env` (config decides, not code)."""
+    if env not in ENVIRONMENTS:
+        raise EngineError(f"unknown environment {env!r} (known: {', '.join(ENVIRONMENTS)})")
+    return os.environ.get(f"PIPELINE_{env.upper()}_PYTHON") or sys.executable
+
+
+def run_worker(env: str, module: str, request: dict[str, Any], log_path: Path) -> dict[str, Any]:
+    """Run one op of `module` in `env`; return its JSON result or raise a one-line error.
+
+    The step's stdout/stderr go to `log_path` (appended) so a crash leaves its evidence.
+    """
+    python = interpreter(env)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="pipeline-step-") as tmp:
+        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps(request))
+        child_env = dict(os.environ)
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(PROJECT_ROOT), child_env.get("PYTHONPATH", "")) if p
+        )
+        op = request.get("op", "?")
+        with open(log_path, "ab") as log:
+            log.write(f"\n=== {module} op={op} env={env} python={python}\n".encode())
+            log.flush()
+            try:
+                proc = subprocess.run(
+                    [python, "-m", module, str(req), str(res)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=child_env,
+                    check=False,
+                )
+            except OSError as exc:
+                raise EngineError(
+                    f"environment {env!r}: cannot start {python}: {exc.strerror}. "
+                    f"To resolve, run scripts/setup.sh or set PIPELINE_{env.upper()}_PYTHON"
+                ) from None
+        result = json.loads(res.read_text()) if res.is_file() and res.stat().st_size else None
+    if result is not None and "error" in result:
+        kind = DiskFullError if result.get("disk_full") else EngineError
+        raise kind(f"{module} {op}: {result['error']} (log: {log_path})")
+    if proc.returncode != 0 or result is None:
+        raise EngineError(f"{module} {op}: {_describe_exit(proc.returncode)} (log: {log_path})")
+    return result
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"engine process crashed ({name})"
+    if code == 0:
+        return "engine process exited without a result"
+    return f"engine process failed with exit code {code}"
+
+
+def worker_main(ops: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
+    """Entry point of a worker module: dispatch REQUEST.json's op, write RESULT.json."""
+    req_path, res_path = Path(sys.argv[1]), Path(sys.argv[2])
+    request = json.loads(req_path.read_text())
+    op = request.get("op")
+    try:
+        if op not in ops:
+            raise PipelineError(f"unknown op {op!r} (known: {', '.join(ops)})")
+        result = ops[op](request)
+    except Exception as exc:  # reported to the core as one line; the traceback goes to the log
+        traceback.print_exc()
+        disk_full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+        message = "no space left on device" if disk_full else (str(exc).splitlines() or [""])[0]
+        result = {"error": message or type(exc).__name__, "disk_full": disk_full}
+    sys.stdout.flush()
+    res_path.write_text(json.dumps(result))

@@ -163,4 +163,3 @@ def _result(name: str, outcome: str, path: Path, manifest: dict[str, Any]) -> Ta
         message=validation.get("reason"),
         metrics=validation.get("metrics", {}),
     )
-

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -18,11 +19,13 @@ from pipeline.errors import PipelineError, ValidationFailed
 from pipeline.recipe import load_recipe
 from pipeline.workers import ENVIRONMENTS, interpreter, run_worker
 
-app = typer.Typer(help="Build, validate and record LLM deployment artifacts from one recipe.", no_args_is_help=True)
+app = typer.Typer(
+    help="Build, validate and record LLM deployment artifacts from one recipe.", no_args_is_help=True
+)
 recipe_app = typer.Typer(help="Recipe commands.", no_args_is_help=True)
 app.add_typer(recipe_app, name="recipe")
-out = Console()
-err = Console(stderr=True)
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 T = TypeVar("T")
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML file.")]
@@ -62,7 +65,9 @@ def build(
     ) as progress:
         reporter = _RichReporter(progress)
         results = _run(
-            lambda: build_recipe(recipe, names, dry_run=dry_run, force=force, reporter=reporter, threads=threads)
+            lambda: build_recipe(
+                recipe, names, dry_run=dry_run, force=force, reporter=reporter, threads=threads
+            )
         )
     out.print(_summary(results))
     errors = [r for r in results if r.outcome == "error"]
@@ -82,7 +87,7 @@ def _fmt(value: Any, spec: str) -> str:
 
 def _summary(results: list[TargetResult]) -> Table:
     table = Table(title="build summary")
-    for col in ("target", "outcome", "validation", "ΔPPL %", "KLD", "agree", "tok/s", "time", "path / note"):
+    for col in ("target", "outcome", "validation", "ΔPPL %", "KLD", "agree", "tok/s", "time", "note"):
         table.add_column(col)
     for r in results:
         m = r.metrics
@@ -96,7 +101,7 @@ def _summary(results: list[TargetResult]) -> Table:
             _fmt(m.get("token_agreement"), ".2f"),
             _fmt(m.get("tokens_per_s"), ".0f"),
             f"{r.seconds:.0f}s",
-            r.message if r.outcome in ("error", "planned") else str(r.path),
+            r.message or "",
         )
     return table
 

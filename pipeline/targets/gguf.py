@@ -11,7 +11,7 @@ from typing import Any
 from pipeline.constants import ENV_LLAMACPP, ENV_TRANSFORMERS, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS
 from pipeline.hashing import file_sha256, json_sha256
 from pipeline.recipe import GgufTarget, TargetSpec
-from pipeline.targets.base import BuildContext, TargetBuilder, gate, register
+from pipeline.targets.base import BuildContext, TargetBuilder, gate, register, removed_on_error
 
 LLAMACPP = "pipeline.engines.llamacpp"
 HF_REFERENCE = "pipeline.engines.hf_reference"
@@ -72,7 +72,8 @@ class GgufBuilder(TargetBuilder):
             ctx.reporter.step(name, "converting HF checkpoint to GGUF")
             base.parent.mkdir(parents=True, exist_ok=True)
             tmp = base.with_suffix(".gguf.tmp")
-            ctx.worker(ENV_LLAMACPP, LLAMACPP, self._convert_request(ctx, tmp, GGUF_BASE_OUTTYPE), name)
+            with removed_on_error(tmp):
+                ctx.worker(ENV_LLAMACPP, LLAMACPP, self._convert_request(ctx, tmp, GGUF_BASE_OUTTYPE), name)
             tmp.rename(base)
         return base
 
@@ -95,24 +96,25 @@ class GgufBuilder(TargetBuilder):
             ctx.reporter.step(name, "computing importance matrix")
             inspected = ctx.worker(ENV_LLAMACPP, LLAMACPP, {"op": "inspect", "path": str(base)}, name)
             tmp = path.with_name(path.stem + ".tmp.npz")
-            result = ctx.worker(
-                ENV_TRANSFORMERS,
-                HF_REFERENCE,
-                {
-                    "op": "imatrix",
-                    "model_dir": str(ctx.source.path),
-                    "trust_remote_code": ctx.loaded.recipe.source.trust_remote_code,
-                    "text_path": str(text),
-                    "samples": cal.samples,
-                    "seq_len": cal.seq_len,
-                    "seed": cal.seed,
-                    "gguf_arch": inspected["architecture"],
-                    "gguf_tensors": inspected["rows"],
-                    "out_path": str(tmp),
-                },
-                name,
-            )
-            meta_path.write_text(json.dumps(result))
+            with removed_on_error(tmp):
+                result = ctx.worker(
+                    ENV_TRANSFORMERS,
+                    HF_REFERENCE,
+                    {
+                        "op": "imatrix",
+                        "model_dir": str(ctx.source.path),
+                        "trust_remote_code": ctx.loaded.recipe.source.trust_remote_code,
+                        "text_path": str(text),
+                        "samples": cal.samples,
+                        "seq_len": cal.seq_len,
+                        "seed": cal.seed,
+                        "gguf_arch": inspected["architecture"],
+                        "gguf_tensors": inspected["rows"],
+                        "out_path": str(tmp),
+                    },
+                    name,
+                )
+                meta_path.write_text(json.dumps(result))
             tmp.rename(path)
         meta = json.loads(meta_path.read_text())
         return path, {
@@ -170,4 +172,6 @@ class GgufBuilder(TargetBuilder):
         }
 
     def serve_command(self, spec: TargetSpec) -> str:
-        return f"python -m llama_cpp.server --model ${{ARTIFACT_DIR}}/{GGUF_FILE} --host 127.0.0.1 --port 8000"
+        return (
+            f"python -m llama_cpp.server --model ${{ARTIFACT_DIR}}/{GGUF_FILE} --host 127.0.0.1 --port 8000"
+        )

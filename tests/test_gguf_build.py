@@ -1,0 +1,159 @@
+"""Real GGUF builds of a tiny random-weight Llama: llama.cpp converts, quantizes and validates.
+
+Nothing here is mocked: the failure cases use a real crashing process, a real unsupported
+architecture and a real full filesystem (tmpfs).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.build import build_recipe
+from pipeline.cli import app
+from pipeline.constants import MANIFEST_NAME, STAGING_PREFIX
+from pipeline.errors import DiskFullError
+from pipeline.hashing import file_sha256
+from tests.conftest import read_json, write_recipe
+
+pytestmark = pytest.mark.slow
+
+LOOSE = {"max_ppl_delta_pct": 100.0, "max_kld_mean": 10.0}  # random weights: gates are not the point
+TARGETS = {
+    "gguf-f16": {"kind": "gguf", "quant": "F16", "gates": {"max_ppl_delta_pct": 0.1, "max_kld_mean": 0.001}},
+    "gguf-q4_0": {"kind": "gguf", "quant": "Q4_0", "imatrix": True, "gates": LOOSE},
+}
+FIXED_FIELDS = {
+    "schema",
+    "recipe",
+    "recipe_sha256",
+    "target",
+    "kind",
+    "engine",
+    "format",
+    "quant",
+    "source",
+    "files",
+    "toolchain",
+    "build",
+    "validation",
+    "serve",
+}
+
+
+def _no_staging(root: Path) -> bool:
+    return not any(p.name.startswith(STAGING_PREFIX) for p in root.rglob("*"))
+
+
+def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_artifacts: Path) -> None:
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets=TARGETS)
+    results = {r.target: r for r in build_recipe(recipe, threads=2)}
+    assert {r.outcome for r in results.values()} == {"built"}, results
+    assert results["gguf-f16"].validation == "passed", results["gguf-f16"].message
+    assert abs(results["gguf-f16"].metrics["ppl_delta_pct"]) < 0.1
+
+    root = _isolated_artifacts / "tiny"
+    f16 = read_json(root / "gguf-f16" / MANIFEST_NAME)
+    assert f16.keys() >= FIXED_FIELDS
+    assert f16["engine"] == "llama.cpp" and f16["format"] == "gguf" and f16["quant"] == "F16"
+    assert f16["toolchain"]["llama.cpp"] and f16["toolchain"]["llama-cpp-python"]
+    assert f16["source"]["path"] and len(f16["source"]["sha256"]) == 64
+    metrics = f16["validation"]["metrics"]
+    for key in ("ppl", "ppl_ref", "ppl_delta_pct", "kld_mean", "token_agreement", "tokens_per_s"):
+        assert metrics[key] is not None, key
+    assert metrics["token_agreement"] == 1.0 and metrics["tokenizer_prefix_match"] == 1.0
+    (entry,) = f16["files"]
+    assert entry["sha256"] == file_sha256(root / "gguf-f16" / entry["path"])
+
+    q4 = read_json(root / "gguf-q4_0" / MANIFEST_NAME)
+    assert q4["gguf"]["tensor_types"].get("Q4_0", 0) > 0
+    assert q4["gguf"]["imatrix"]["tensors"] > 0 and q4["gguf"]["imatrix"]["dataset"] == "builtin:gpl-3.0"
+    assert _no_staging(_isolated_artifacts)
+
+    again = build_recipe(recipe, threads=2)
+    assert {r.outcome for r in again} == {"up-to-date"}
+
+    listed = CliRunner().invoke(app, ["list", "--json"])
+    assert listed.exit_code == 0
+    assert {a["target"] for a in json.loads(listed.output)} == {"gguf-f16", "gguf-q4_0"}
+    shown = CliRunner().invoke(app, ["show", "tiny/gguf-f16", "--json"])
+    assert json.loads(shown.output)["files"] == f16["files"]
+
+
+def _crash_on_validate(tmp_path: Path) -> str:
+    """An interpreter that runs the real one but segfaults when asked to validate."""
+    script = tmp_path / "crashy-python"
+    script.write_text(
+        f'#!/bin/sh\ngrep -q \'"op": "validate"\' "$3" && kill -SEGV $$\nexec {sys.executable} "$@"\n'
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_engine_crash_keeps_the_built_artifact(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets={"gguf-f16": TARGETS["gguf-f16"]})
+    (first,) = build_recipe(recipe, threads=2)
+    assert first.validation == "passed"
+    artifact = _isolated_artifacts / "tiny" / "gguf-f16"
+    before = {p.name: p.read_bytes() for p in artifact.iterdir()}
+
+    monkeypatch.setenv("PIPELINE_LLAMACPP_PYTHON", _crash_on_validate(tmp_path))
+    (second,) = build_recipe(recipe, force=True, threads=2)
+    assert second.outcome == "error"
+    assert "engine process crashed (SIGSEGV)" in second.message and "\n" not in second.message
+    assert {p.name: p.read_bytes() for p in artifact.iterdir()} == before
+    assert _no_staging(_isolated_artifacts)
+
+    res = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "build", str(recipe), "--force"],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 5, res.stdout + res.stderr
+    assert "crashed (SIGSEGV)" in res.stderr
+
+
+def test_unsupported_architecture(tiny_llama: Path, tmp_path: Path, _isolated_artifacts: Path) -> None:
+    model = tmp_path / "recipes" / "model"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    recipe = write_recipe(tmp_path / "recipes" / "tiny.yaml")
+    (result,) = build_recipe(recipe)
+    assert result.outcome == "error"
+    assert "NoSuchModelForCausalLM is not supported" in result.message
+    assert not (_isolated_artifacts / "tiny" / "gguf-f16").exists()
+    assert _no_staging(_isolated_artifacts)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_full_disk_is_one_clear_error(
+    tiny_recipe_dir: Path, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """24 MiB holds the F16 GGUF but not the reference logits: the build stops, nothing is published."""
+    monkeypatch.setenv("PIPELINE_ARTIFACTS", str(small_tmpfs))
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml")
+    with pytest.raises(DiskFullError, match="no space left on device"):
+        build_recipe(recipe)
+    assert not (small_tmpfs / "tiny" / "gguf-f16").exists()
+    assert _no_staging(small_tmpfs)

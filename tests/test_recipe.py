@@ -1,0 +1,139 @@
+"""Recipe schema: shipped recipes load; every bad input is one RecipeError naming file, key, why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.errors import RecipeError
+from pipeline.recipe import load_recipe, select_targets
+from tests.conftest import REPO, write_recipe
+
+F16 = {"kind": "gguf", "quant": "F16", "gates": {"max_ppl_delta_pct": 0.1, "max_kld_mean": 0.001}}
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m.yaml", "qwen2-7b.yaml"])
+def test_shipped_recipes_load(name: str) -> None:
+    loaded = load_recipe(REPO / "recipes" / name)
+    assert loaded.recipe.targets
+    assert len(loaded.sha256) == 64
+
+
+def test_qwen_recipe_is_pinned_to_a_commit() -> None:
+    src = load_recipe(REPO / "recipes" / "qwen2-7b.yaml").recipe.source
+    assert src.repo == "Qwen/Qwen2-7B-Instruct"
+    assert src.revision and len(src.revision) == 40
+
+
+def _error(tmp_path: Path, text: str | None = None, **overrides: object) -> str:
+    path = tmp_path / "r.yaml"
+    (tmp_path / "model").mkdir(exist_ok=True)
+    if text is None:
+        write_recipe(path, **overrides)
+    else:
+        path.write_text(text)
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(path)
+    message = str(exc.value)
+    assert str(path) in message and "\n" not in message
+    return message
+
+
+def test_malformed_yaml(tmp_path: Path) -> None:
+    assert "line 2: malformed YAML: mapping values" in _error(tmp_path, "name: x\nfoo: bar: baz\n")
+
+
+def test_not_a_mapping(tmp_path: Path) -> None:
+    assert "must be a YAML mapping" in _error(tmp_path, "- a\n- b\n")
+
+
+def test_unknown_key(tmp_path: Path) -> None:
+    assert "colour: unknown key" in _error(tmp_path, colour="red")
+
+
+def test_unknown_key_inside_target(tmp_path: Path) -> None:
+    msg = _error(tmp_path, targets={"a": {**F16, "bits": 4}})
+    assert "target 'a'" in msg and "bits: unknown key" in msg
+
+
+def test_unknown_target_kind(tmp_path: Path) -> None:
+    msg = _error(tmp_path, targets={"a": {"kind": "onnx"}})
+    assert "unknown kind 'onnx'" in msg and "gguf" in msg
+
+
+def test_bad_quant_name(tmp_path: Path) -> None:
+    msg = _error(tmp_path, targets={"a": {**F16, "quant": "Q3_Z"}})
+    assert "quant: unknown GGUF quant 'Q3_Z'" in msg
+
+
+def test_imatrix_on_unquantized_type(tmp_path: Path) -> None:
+    assert "imatrix only applies to quantized types" in _error(
+        tmp_path, targets={"a": {**F16, "imatrix": True}}
+    )
+
+
+def test_imatrix_needs_calibration(tmp_path: Path) -> None:
+    t = {"a": {**F16, "quant": "IQ4_XS", "imatrix": True}}
+    assert "need a `calibration` section" in _error(tmp_path, targets=t, calibration=None)
+
+
+def test_calibration_is_not_evaluation_text(tmp_path: Path) -> None:
+    msg = _error(tmp_path, calibration={"dataset": "builtin:apache-2.0"})
+    assert "must not be the evaluation text" in msg
+
+
+def test_missing_source(tmp_path: Path) -> None:
+    assert "source: give exactly one of repo, path, package" in _error(tmp_path, source={})
+
+
+def test_missing_source_dir(tmp_path: Path) -> None:
+    assert "directory 'nowhere' not found" in _error(tmp_path, source={"path": "nowhere"})
+
+
+def test_hub_repo_must_be_pinned(tmp_path: Path) -> None:
+    msg = _error(tmp_path, source={"repo": "Qwen/Qwen2-7B-Instruct", "revision": "main"})
+    assert "pinned to a 40-hex commit" in msg
+
+
+def test_missing_gates(tmp_path: Path) -> None:
+    assert "gates: Field required" in _error(tmp_path, targets={"a": {"kind": "gguf", "quant": "Q8_0"}})
+
+
+def test_missing_calibration_file(tmp_path: Path) -> None:
+    assert "file 'cal.txt' not found" in _error(tmp_path, calibration={"dataset": "cal.txt"})
+
+
+def test_select_unknown_target(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    loaded = load_recipe(write_recipe(tmp_path / "r.yaml"))
+    with pytest.raises(RecipeError, match="unknown target"):
+        select_targets(loaded.recipe, ["nope"])
+
+
+def test_cli_recipe_check(tmp_path: Path) -> None:
+    runner = CliRunner()
+    ok = runner.invoke(app, ["recipe", "check", str(REPO / "recipes" / "smollm2-135m.yaml")])
+    assert ok.exit_code == 0 and "ok:" in ok.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [\n")
+    res = runner.invoke(app, ["recipe", "check", str(bad)])
+    assert res.exit_code == RecipeError.exit_code
+    assert "malformed YAML" in res.output
+
+
+def test_cli_build_unknown_target_exits_nonzero() -> None:
+    res = CliRunner().invoke(
+        app, ["build", str(REPO / "recipes" / "smollm2-135m.yaml"), "--targets", "nope", "--dry-run"]
+    )
+    assert res.exit_code == RecipeError.exit_code
+    assert "unknown target(s) nope" in res.output
+
+
+def test_cli_dry_run_plans_without_building(_isolated_artifacts: Path) -> None:
+    res = CliRunner().invoke(app, ["build", str(REPO / "recipes" / "smollm2-135m.yaml"), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "planned" in res.output
+    assert not _isolated_artifacts.exists()

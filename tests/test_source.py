@@ -1,0 +1,94 @@
+"""Source resolution: local dirs, refusals, and the hub path through a real offline HF cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import SourceError
+from pipeline.source import check_checkpoint
+from tests.conftest import REPO
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _checkpoint(d: Path, weights: str = "model.safetensors", config: dict | None = None) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config or {"architectures": ["LlamaForCausalLM"]}))
+    (d / weights).write_bytes(b"\0" * 16)
+    return d
+
+
+def test_safetensors_checkpoint_is_accepted(tmp_path: Path) -> None:
+    check_checkpoint(_checkpoint(tmp_path / "m"))
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match=r"only pickle weights \(pytorch_model.bin\)"):
+        check_checkpoint(_checkpoint(tmp_path / "m", weights="pytorch_model.bin"))
+
+
+def test_missing_dir_and_missing_config(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="not found"):
+        check_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceError, match=r"no config\.json"):
+        check_checkpoint(tmp_path / "empty")
+
+
+def test_remote_code_needs_explicit_trust(tmp_path: Path) -> None:
+    d = _checkpoint(tmp_path / "m", config={"auto_map": {"AutoModel": "x.Model"}})
+    with pytest.raises(SourceError, match="trust_remote_code"):
+        check_checkpoint(d)
+    check_checkpoint(d, trust_remote_code=True)
+
+
+def _resolve_hub(tmp_path: Path, hub_cache: Path) -> subprocess.CompletedProcess[str]:
+    """Resolve a hub source in a fresh process (huggingface_hub reads HF_* at import)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "name: hubtest\n"
+        f"source: {{repo: acme/tiny, revision: {COMMIT}}}\n"
+        "smoke: {prompts: [hi]}\n"
+        "targets: {a: {kind: gguf, quant: F16, gates: {max_ppl_delta_pct: 1, max_kld_mean: 1}}}\n"
+    )
+    code = (
+        "import json, sys; from pathlib import Path\n"
+        "from pipeline.recipe import load_recipe; from pipeline.source import resolve_source\n"
+        "from pipeline.errors import PipelineError\n"
+        "try:\n"
+        f"    s = resolve_source(load_recipe({str(recipe)!r}), Path({str(tmp_path / 'log')!r}))\n"
+        "    print(json.dumps({'path': str(s.path), **s.info}))\n"
+        "except PipelineError as e:\n"
+        "    print(e); sys.exit(3)\n"
+    )
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": str(hub_cache),
+        "HF_HUB_OFFLINE": "1",
+        "PIPELINE_CACHE": str(tmp_path / "c"),
+    }
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+
+
+def test_hub_source_resolves_from_offline_cache(tmp_path: Path) -> None:
+    hub = tmp_path / "hub"
+    snap = _checkpoint(hub / "models--acme--tiny" / "snapshots" / COMMIT)
+    (hub / "models--acme--tiny" / "refs").mkdir()
+    (hub / "models--acme--tiny" / "refs" / "main").write_text(COMMIT)
+    res = _resolve_hub(tmp_path, hub)
+    assert res.returncode == 0, res.stdout + res.stderr
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert Path(info["path"]) == snap
+    assert info["repo"] == "acme/tiny" and info["revision"] == COMMIT and len(info["sha256"]) == 64
+
+
+def test_hub_source_missing_offline_is_one_clear_line(tmp_path: Path) -> None:
+    res = _resolve_hub(tmp_path, tmp_path / "empty-hub")
+    assert res.returncode == 3
+    assert "acme/tiny@0123456789ab is not in the local HF cache" in res.stdout

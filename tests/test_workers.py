@@ -1,0 +1,53 @@
+"""Engine subprocesses: a crash, a missing interpreter and a corrupted file are one-line errors."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import EngineError
+from pipeline.workers import run_worker
+
+
+def _script(path: Path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_crashing_engine_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPELINE_LLAMACPP_PYTHON", _script(tmp_path / "py", "kill -SEGV $$"))
+    with pytest.raises(EngineError, match=r"engine process crashed \(SIGSEGV\)"):
+        run_worker("llamacpp", "pipeline.engines.llamacpp", {"op": "toolchain"}, tmp_path / "log")
+
+
+def test_missing_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPELINE_LLAMACPP_PYTHON", str(tmp_path / "no-such-python"))
+    with pytest.raises(EngineError, match="cannot start"):
+        run_worker("llamacpp", "pipeline.engines.llamacpp", {"op": "toolchain"}, tmp_path / "log")
+
+
+def test_unknown_environment(tmp_path: Path) -> None:
+    with pytest.raises(EngineError, match="unknown environment 'onnx'"):
+        run_worker("onnx", "x", {"op": "toolchain"}, tmp_path / "log")
+
+
+def test_corrupted_gguf_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(64))
+    with pytest.raises(EngineError) as exc:
+        run_worker(
+            "llamacpp", "pipeline.engines.llamacpp", {"op": "inspect", "path": str(bad)}, tmp_path / "log"
+        )
+    assert "op=" not in str(exc.value) and "\n" not in str(exc.value)
+    assert "pipeline.engines.llamacpp inspect:" in str(exc.value)
+
+
+def test_toolchain_reports_the_llama_cpp_commit(tmp_path: Path) -> None:
+    res = run_worker("llamacpp", "pipeline.engines.llamacpp", {"op": "toolchain"}, tmp_path / "log")
+    tc = res["toolchain"]
+    assert tc["llama-cpp-python"] and tc["llama.cpp"] not in (None, "", "unknown")
+    assert "AMX_INT8 = 1" not in res["system_info"], "llama-cpp-python must be a portable build"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pipeline.recipe import TargetSpec, load_recipe, select_targets
 from pipeline.source import resolve_source
 from pipeline.targets import BUILDERS, BuildContext
 from pipeline.targets.base import NullReporter, Reporter
+from pipeline.workers import is_disk_full
 
 
 @dataclass
@@ -145,7 +145,7 @@ def _build_target(ctx: BuildContext, name: str, spec: TargetSpec, force: bool) -
         write_manifest(staging, manifest)
         publish(staging, final)
     except OSError as exc:
-        if exc.errno == errno.ENOSPC:
+        if is_disk_full(exc):
             raise DiskFullError(f"{name}: no space left on device in {ctx.layout.recipe_dir}") from None
         raise
     finally:

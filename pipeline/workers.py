@@ -91,6 +91,15 @@ def _describe_exit(code: int) -> str:
     return f"engine process failed with exit code {code}"
 
 
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC/EDQUOT, or numpy's own preallocation message (an OSError without errno)."""
+    if not isinstance(exc, OSError):
+        return False
+    return (
+        exc.errno in (errno.ENOSPC, errno.EDQUOT) or "free space" in str(exc) or "No space left" in str(exc)
+    )
+
+
 def worker_main(ops: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
     """Entry point of a worker module: dispatch REQUEST.json's op, write RESULT.json."""
     req_path, res_path = Path(sys.argv[1]), Path(sys.argv[2])
@@ -102,8 +111,10 @@ def worker_main(ops: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> N
         result = ops[op](request)
     except Exception as exc:  # reported to the core as one line; the traceback goes to the log
         traceback.print_exc()
-        disk_full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
-        message = "no space left on device" if disk_full else (str(exc).splitlines() or [""])[0]
-        result = {"error": message or type(exc).__name__, "disk_full": disk_full}
+        message = (str(exc).splitlines() or [""])[0] or type(exc).__name__
+        disk_full = is_disk_full(exc)
+        if disk_full:
+            message = f"no space left on device ({message})"
+        result = {"error": message, "disk_full": disk_full}
     sys.stdout.flush()
     res_path.write_text(json.dumps(result))

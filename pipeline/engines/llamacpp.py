@@ -164,7 +164,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         n_ctx=max(ctx, longest),
         n_batch=ctx,
         logits_all=True,
-        n_threads=req.get("threads") or None,
+        n_threads=req.get("threads") or os.cpu_count(),  # llama-cpp-python's default is half
         seed=0,
         verbose=False,
     )

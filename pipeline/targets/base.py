@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -73,7 +74,7 @@ class BuildContext:
         out = self.layout.cache_dir / f"reference-{key}"
         if not (out / "reference.json").is_file():
             self.reporter.step("reference", "computing the transformers reference")
-            tmp = out.with_name(out.name + ".tmp")
+            tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             with removed_on_error(tmp):
                 result = self.worker(

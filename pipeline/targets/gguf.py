@@ -71,7 +71,7 @@ class GgufBuilder(TargetBuilder):
         if not base.is_file():
             ctx.reporter.step(name, "converting HF checkpoint to GGUF")
             base.parent.mkdir(parents=True, exist_ok=True)
-            tmp = base.with_suffix(".gguf.tmp")
+            tmp = base.with_suffix(f".tmp-{os.getpid()}.gguf")
             with removed_on_error(tmp):
                 ctx.worker(ENV_LLAMACPP, LLAMACPP, self._convert_request(ctx, tmp, GGUF_BASE_OUTTYPE), name)
             tmp.rename(base)
@@ -95,7 +95,7 @@ class GgufBuilder(TargetBuilder):
         if not path.is_file():
             ctx.reporter.step(name, "computing importance matrix")
             inspected = ctx.worker(ENV_LLAMACPP, LLAMACPP, {"op": "inspect", "path": str(base)}, name)
-            tmp = path.with_name(path.stem + ".tmp.npz")
+            tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}.npz")
             with removed_on_error(tmp):
                 result = ctx.worker(
                     ENV_TRANSFORMERS,

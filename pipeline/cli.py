@@ -180,7 +180,7 @@ def env_status(as_json: JsonOpt = False) -> None:
 
     status: dict[str, Any] = {}
     log = artifacts_root() / ".logs" / "env.log"
-    for env, what in ENVIRONMENTS.items():
+    for env, (what, _venv) in ENVIRONMENTS.items():
         entry: dict[str, Any] = {"purpose": what, "python": interpreter(env)}
         try:
             entry.update(run_worker(env, ENV_WORKERS[env], {"op": "toolchain"}, log))

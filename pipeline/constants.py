@@ -48,3 +48,6 @@ BUILTIN_TEXTS = {
 # Environment names: each engine/tool step runs with that environment's interpreter.
 ENV_LLAMACPP = "llamacpp"  # llama-cpp-python runtime + the converter and gguf-py of the same commit
 ENV_TRANSFORMERS = "transformers"  # torch + transformers: reference model, imatrix, materialising
+ENV_LLMCOMPRESSOR = "llmcompressor"  # llm-compressor: AWQ / GPTQ quantization
+ENV_VLLM = "vllm"  # vLLM: serves and validates AWQ / GPTQ checkpoints
+ENV_SGLANG = "sglang"  # SGLang: serves AWQ / GPTQ checkpoints (GPU build servers)

@@ -7,9 +7,11 @@ with a one-line message. Stdlib only: this file is imported on both sides.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,16 +21,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.constants import ENV_LLAMACPP, ENV_TRANSFORMERS
+from pipeline.constants import ENV_LLAMACPP, ENV_LLMCOMPRESSOR, ENV_SGLANG, ENV_TRANSFORMERS, ENV_VLLM
 from pipeline.errors import DiskFullError, EngineError, PipelineError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
-# Environment name -> what runs there. The interpreter comes from PIPELINE_<NAME>_PYTHON, else
-# the interpreter running the core (the project venv made by scripts/setup.sh holds both here).
-ENVIRONMENTS = {
-    ENV_LLAMACPP: "llama.cpp runtime (llama-cpp-python), its converter and gguf-py",
-    ENV_TRANSFORMERS: "torch + transformers: reference model, imatrix, source materialising",
+# Environment name -> (what runs there, its default venv under the project, or None for the
+# interpreter running the core). PIPELINE_<NAME>_PYTHON overrides either: a venv here, an image's
+# python on a build server. scripts/setup.sh creates the defaults.
+ENVIRONMENTS: dict[str, tuple[str, str | None]] = {
+    ENV_LLAMACPP: ("llama.cpp runtime (llama-cpp-python), its converter and gguf-py", None),
+    ENV_TRANSFORMERS: ("torch + transformers: reference model, imatrix, source materialising", None),
+    ENV_LLMCOMPRESSOR: ("llm-compressor: AWQ and GPTQ 4-bit quantization", ".envs/llmcompressor"),
+    ENV_VLLM: ("vLLM (CPU build here, CUDA on a GPU server): AWQ/GPTQ validation", ".envs/vllm"),
+    ENV_SGLANG: ("SGLang: AWQ/GPTQ validation on GPU build servers", ".envs/sglang"),
 }
 
 
@@ -36,13 +42,26 @@ def interpreter(env: str) -> str:
     """The Python interpreter of environment `env` (config decides, not code)."""
     if env not in ENVIRONMENTS:
         raise EngineError(f"unknown environment {env!r} (known: {', '.join(ENVIRONMENTS)})")
-    return os.environ.get(f"PIPELINE_{env.upper()}_PYTHON") or sys.executable
+    override = os.environ.get(f"PIPELINE_{env.upper()}_PYTHON")
+    if override:
+        return override
+    venv = ENVIRONMENTS[env][1]
+    return str(PROJECT_ROOT / venv / "bin" / "python") if venv else sys.executable
 
 
-def run_worker(env: str, module: str, request: dict[str, Any], log_path: Path) -> dict[str, Any]:
+def environment_exists(env: str) -> bool:
+    """Whether env's interpreter is there at all (a GPU-only environment may not be, here)."""
+    path = Path(interpreter(env))
+    return path.is_file() or shutil.which(str(path)) is not None
+
+
+def run_worker(
+    env: str, module: str, request: dict[str, Any], log_path: Path, timeout_s: float | None = None
+) -> dict[str, Any]:
     """Run one op of `module` in `env`; return its JSON result or raise a one-line error.
 
-    The step's stdout/stderr go to `log_path` (appended) so a crash leaves its evidence.
+    The step's stdout/stderr go to `log_path` (appended) so a crash leaves its evidence. Past
+    `timeout_s` the step and every process it started (an engine server, say) are killed.
     """
     python = interpreter(env)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,18 +77,29 @@ def run_worker(env: str, module: str, request: dict[str, Any], log_path: Path) -
             log.write(f"\n=== {module} op={op} env={env} python={python}\n".encode())
             log.flush()
             try:
-                proc = subprocess.run(
+                proc = subprocess.Popen(
                     [python, "-m", module, str(req), str(res)],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=child_env,
-                    check=False,
+                    start_new_session=True,  # its own process group, killed as one
                 )
             except OSError as exc:
                 raise EngineError(
                     f"environment {env!r}: cannot start {python}: {exc.strerror}. "
                     f"To resolve, run scripts/setup.sh or set PIPELINE_{env.upper()}_PYTHON"
                 ) from None
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                raise EngineError(
+                    f"{module} {op}: timed out after {timeout_s:.0f}s (log: {log_path})"
+                ) from None
+            except BaseException:
+                _kill_group(proc)
+                raise
+            _kill_group(proc)  # whatever the step left running (a server it started)
         result = json.loads(res.read_text()) if res.is_file() and res.stat().st_size else None
     if result is not None and "error" in result:
         kind = DiskFullError if result.get("disk_full") else EngineError
@@ -77,6 +107,12 @@ def run_worker(env: str, module: str, request: dict[str, Any], log_path: Path) -
     if proc.returncode != 0 or result is None:
         raise EngineError(f"{module} {op}: {_describe_exit(proc.returncode)} (log: {log_path})")
     return result
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _describe_exit(code: int) -> str:

@@ -6,11 +6,11 @@ torch and transformers are imported inside the ops.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.engines.calibration import calibration_chunks, read_text
 from pipeline.workers import worker_main
 
 EOT_TOKEN = "<|im_end|>"  # ChatML end of turn (SmolLM2, Qwen2)
@@ -34,15 +34,6 @@ def _load(model_dir: str, trust_remote_code: bool) -> tuple[Any, Any]:
     )
     model.eval()
     return tok, model
-
-
-def read_text(path: str) -> str:
-    """A .txt file as is; a .jsonl file's `text` fields joined by blank lines."""
-    p = Path(path)
-    if p.suffix == ".jsonl":
-        lines = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-        return "\n\n".join(obj["text"] for obj in lines)
-    return p.read_text()
 
 
 def prompt_ids(tok: Any, prompt: str, chat: bool) -> list[int]:
@@ -135,13 +126,7 @@ def op_imatrix(req: dict[str, Any]) -> dict[str, Any]:
 
     tok, model = _load(req["model_dir"], req["trust_remote_code"])
     ids = tok(read_text(req["text_path"]), add_special_tokens=False)["input_ids"]
-    seq = req["seq_len"]
-    chunks = [ids[i : i + seq] for i in range(0, len(ids) - seq + 1, seq)]
-    if not chunks:
-        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than seq_len {seq}")
-    rng = np.random.default_rng(req["seed"])
-    if len(chunks) > req["samples"]:
-        chunks = [chunks[i] for i in sorted(rng.choice(len(chunks), req["samples"], replace=False))]
+    chunks = calibration_chunks(ids, req["samples"], req["seq_len"], req["seed"])
 
     arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[req["gguf_arch"]]
     n_blocks = model.config.num_hidden_layers

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.constants import ENV_LLAMACPP, ENV_TRANSFORMERS, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS
+from pipeline.engines.calibration import SELECTION_VERSION
 from pipeline.hashing import file_sha256, json_sha256
 from pipeline.recipe import GgufTarget, TargetSpec
 from pipeline.targets.base import BuildContext, TargetBuilder, gate, register, removed_on_error
@@ -89,7 +90,8 @@ class GgufBuilder(TargetBuilder):
             "seq_len": cal.seq_len,
             "seed": cal.seed,
         }
-        key = json_sha256({**record, "base": base.name, "tc": ctx.toolchain(ENV_TRANSFORMERS)})[:16]
+        tc = ctx.toolchain(ENV_TRANSFORMERS)
+        key = json_sha256({**record, "base": base.name, "tc": tc, "selection": SELECTION_VERSION})[:16]
         path = ctx.layout.cache_dir / f"imatrix-{key}.npz"
         meta_path = path.with_suffix(".json")
         if not path.is_file():

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 .PHONY: setup build test lint bench
 setup: $(VENV)/.setup-done
 
-$(VENV)/.setup-done: scripts/setup.sh pyproject.toml
+$(VENV)/.setup-done: scripts/setup.sh pyproject.toml envs/llmcompressor.txt envs/vllm.txt
 	scripts/setup.sh
 	touch $@
 
@@ -18,3 +18,4 @@ test: setup  ## lint + the test suite (includes a real end-to-end build)
 
 bench: setup  ## benchmark script: prints numbers
 	$(BIN)/python benchmarks/bench_gguf.py
+	$(BIN)/python benchmarks/bench_int4.py

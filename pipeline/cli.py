@@ -17,7 +17,7 @@ from pipeline.artifacts import artifacts_root, iter_artifacts, read_manifest
 from pipeline.build import TargetResult, build_recipe
 from pipeline.errors import PipelineError, ValidationFailed
 from pipeline.recipe import load_recipe
-from pipeline.workers import ENVIRONMENTS, interpreter, run_worker
+from pipeline.workers import ENVIRONMENTS, environment_exists, interpreter, run_worker
 
 app = typer.Typer(
     help="Build, validate and record LLM deployment artifacts from one recipe.", no_args_is_help=True
@@ -180,13 +180,20 @@ def env_status(as_json: JsonOpt = False) -> None:
 
     status: dict[str, Any] = {}
     log = artifacts_root() / ".logs" / "env.log"
-    for env, (what, _venv) in ENVIRONMENTS.items():
-        entry: dict[str, Any] = {"purpose": what, "python": interpreter(env)}
-        try:
-            entry.update(run_worker(env, ENV_WORKERS[env], {"op": "toolchain"}, log))
-            entry["status"] = "ok"
-        except PipelineError as exc:
-            entry["status"] = f"unusable: {exc}"
+    for env, spec in ENVIRONMENTS.items():
+        entry: dict[str, Any] = {
+            "purpose": spec.purpose,
+            "python": interpreter(env),
+            "gpu_only": spec.gpu_only,
+        }
+        if spec.gpu_only and not environment_exists(env):
+            entry["status"] = "absent (GPU build servers only)"
+        else:
+            try:
+                entry.update(run_worker(env, ENV_WORKERS[env], {"op": "toolchain"}, log))
+                entry["status"] = "ok"
+            except PipelineError as exc:
+                entry["status"] = f"unusable: {exc}"
         status[env] = entry
     if as_json:
         out.print_json(json.dumps(status))
@@ -196,7 +203,7 @@ def env_status(as_json: JsonOpt = False) -> None:
         out.print(f"  python: {entry['python']}")
         for tool, ver in entry.get("toolchain", {}).items():
             out.print(f"  {tool}: {ver}", highlight=False)
-    if any(e["status"] != "ok" for e in status.values()):
+    if any(e["status"].startswith("unusable") for e in status.values()):
         raise typer.Exit(5)
 
 

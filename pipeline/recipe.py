@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.constants import BUILTIN_TEXTS, GGUF_QUANTS
+from pipeline.constants import BUILTIN_TEXTS, GGUF_QUANTS, PACKAGED_SOURCE_CONFIGS
 from pipeline.errors import RecipeError
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -119,7 +120,10 @@ class TargetSpec(Strict):
 
     kind: str
     gates: Gates
-    needs_calibration: ClassVar[bool] = False
+
+    @property
+    def needs_calibration(self) -> bool:
+        return False
 
 
 class GgufTarget(TargetSpec):
@@ -149,12 +153,63 @@ class GgufTarget(TargetSpec):
         return self
 
     @property
-    def needs_imatrix(self) -> bool:
+    def needs_calibration(self) -> bool:
         return self.imatrix
 
 
+class CalibrationOverride(Strict):
+    """A target's own sample count / length over the recipe's calibration text."""
+
+    samples: int | None = Field(None, ge=1, le=100_000)
+    seq_len: int | None = Field(None, ge=16, le=32_768)
+
+
+class Int4Target(TargetSpec):
+    """Common fields of the W4A16 checkpoints vLLM and SGLang serve (AWQ, GPTQ)."""
+
+    bits: Literal[4] = 4
+    group_size: Literal[-1, 32, 64, 128] = 128  # what vLLM's and SGLang's int4 kernels accept
+    ignore: list[str] = ["lm_head"]
+    dtype: Literal["float16", "bfloat16"] = "float16"  # activations, scales and unquantized layers
+    calibration: CalibrationOverride = CalibrationOverride()
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+
+class AwqTarget(Int4Target):
+    """AWQ W4A16 (llm-compressor; compressed-tensors format).
+
+    ```yaml
+    awq: {kind: awq, group_size: 64, n_grid: 20, gates: {max_ppl_delta_pct: 20, max_kld_mean: 0.2}}
+    ```
+    """
+
+    kind: Literal["awq"]
+    symmetric: bool = False  # AWQ's classic zero-point scheme
+    n_grid: int = Field(20, ge=1, le=100)  # scale grid search points; fewer is faster on CPU
+
+
+class GptqTarget(Int4Target):
+    """GPTQ W4A16 (llm-compressor; compressed-tensors format).
+
+    `act_order: static` reorders columns at quantization time only; `group`/dynamic reordering is
+    not offered because vLLM refuses it for grouped checkpoints.
+
+    ```yaml
+    gptq: {kind: gptq, group_size: 64, gates: {max_ppl_delta_pct: 35, max_kld_mean: 0.3}}
+    ```
+    """
+
+    kind: Literal["gptq"]
+    symmetric: bool = True  # vLLM's GPTQ kernels are symmetric-only
+    act_order: Literal["static", "weight"] | None = None
+    dampening_frac: float = Field(0.01, gt=0, lt=1)
+
+
 # kind -> spec class. A new target family adds its class here and a builder in pipeline/targets/.
-TARGET_KINDS: dict[str, type[TargetSpec]] = {"gguf": GgufTarget}
+TARGET_KINDS: dict[str, type[TargetSpec]] = {"gguf": GgufTarget, "awq": AwqTarget, "gptq": GptqTarget}
 
 
 class Recipe(Strict):
@@ -198,7 +253,7 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _calibration_when_needed(self) -> Recipe:
-        needing = [n for n, t in self.targets.items() if getattr(t, "needs_imatrix", False)]
+        needing = [n for n, t in self.targets.items() if t.needs_calibration]
         if needing and self.calibration is None:
             raise ValueError(f"targets {needing} need a `calibration` section")
         if self.calibration and self.calibration.dataset == self.evaluation.text:
@@ -262,7 +317,55 @@ def load_recipe(path: str | Path) -> LoadedRecipe:
         raise RecipeError(f"{path}: {_first_errors(exc)}") from None
     loaded = LoadedRecipe(recipe=recipe, path=path.resolve(), sha256=hashlib.sha256(raw).hexdigest())
     _check_files(loaded)
+    _check_group_sizes(loaded)
     return loaded
+
+
+def _check_group_sizes(loaded: LoadedRecipe) -> None:
+    """A group size must divide every quantized layer's input size: say so now, not after hours
+    of calibration. Skipped when the model config is not on this machine yet (hub, not cached)."""
+    config = source_config(loaded)
+    if config is None:
+        return
+    hidden = config["hidden_size"]
+    heads = config.get("num_attention_heads", 1)
+    sizes = {
+        "hidden_size": hidden,
+        "intermediate_size": config.get("intermediate_size", hidden),
+        "heads x head_dim": heads * config.get("head_dim", hidden // heads),
+    }
+    for name, spec in loaded.recipe.targets.items():
+        group = getattr(spec, "group_size", -1)
+        bad = {k: v for k, v in sizes.items() if group > 0 and v % group}
+        if bad:
+            why = ", ".join(f"{k} {v}" for k, v in bad.items())
+            fits = [g for g in (128, 64, 32) if all(v % g == 0 for v in sizes.values())]
+            raise RecipeError(
+                f"{loaded.path}: targets.{name}.group_size: {group} does not divide the model's "
+                f"layer input sizes ({why}); use {fits[0] if fits else -1}"
+            )
+
+
+def source_config(loaded: LoadedRecipe) -> dict[str, Any] | None:
+    """The source model's config.json if it can be read without building or downloading."""
+    src = loaded.recipe.source
+    path: Path | None = None
+    if src.path:
+        path = loaded.resolve_path(src.path) / "config.json"
+    elif src.repo:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(src.repo, "config.json", revision=src.revision)
+        path = Path(found) if isinstance(found, str) else None
+    elif src.package:
+        return PACKAGED_SOURCE_CONFIGS[src.package]
+    if path is None or not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return config.get("text_config", config) if "hidden_size" not in config else config
 
 
 def _check_files(loaded: LoadedRecipe) -> None:
@@ -272,8 +375,11 @@ def _check_files(loaded: LoadedRecipe) -> None:
     if r.calibration:
         refs.append(("calibration.dataset", r.calibration.dataset))
     for key, ref in refs:
-        if not loaded.text_path(ref).is_file():
+        text = loaded.text_path(ref)
+        if not text.is_file():
             raise RecipeError(f"{loaded.path}: {key}: file {ref!r} not found")
+        if text.stat().st_size == 0:
+            raise RecipeError(f"{loaded.path}: {key}: file {ref!r} is empty")
     if r.source.path and not loaded.resolve_path(r.source.path).is_dir():
         raise RecipeError(f"{loaded.path}: source.path: directory {r.source.path!r} not found")
 

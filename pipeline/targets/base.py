@@ -13,14 +13,28 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from pipeline.artifacts import Layout
-from pipeline.constants import ENV_LLAMACPP, ENV_TRANSFORMERS, STATUS_FAILED, STATUS_PASSED
+from pipeline.constants import (
+    ENV_LLAMACPP,
+    ENV_LLMCOMPRESSOR,
+    ENV_SGLANG,
+    ENV_TRANSFORMERS,
+    ENV_VLLM,
+    STATUS_FAILED,
+    STATUS_PASSED,
+)
 from pipeline.hashing import file_sha256, json_sha256
 from pipeline.recipe import Gates, LoadedRecipe, TargetSpec
 from pipeline.source import ResolvedSource
 from pipeline.workers import run_worker
 
 # Each environment's worker module, which answers the `toolchain` op.
-ENV_WORKERS = {ENV_LLAMACPP: "pipeline.engines.llamacpp", ENV_TRANSFORMERS: "pipeline.engines.hf_reference"}
+ENV_WORKERS = {
+    ENV_LLAMACPP: "pipeline.engines.llamacpp",
+    ENV_TRANSFORMERS: "pipeline.engines.hf_reference",
+    ENV_LLMCOMPRESSOR: "pipeline.engines.llmcompressor",
+    ENV_VLLM: "pipeline.engines.vllm",
+    ENV_SGLANG: "pipeline.engines.sglang",
+}
 
 
 class Reporter(Protocol):
@@ -49,8 +63,10 @@ class BuildContext:
     def log_path(self, name: str) -> Path:
         return self.layout.logs_dir / f"{name}.log"
 
-    def worker(self, env: str, module: str, request: dict[str, Any], log: str) -> dict[str, Any]:
-        return run_worker(env, module, request, self.log_path(log))
+    def worker(
+        self, env: str, module: str, request: dict[str, Any], log: str, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        return run_worker(env, module, request, self.log_path(log), timeout_s)
 
     def toolchain(self, env: str) -> dict[str, Any]:
         """Versions in environment `env` (asked once per build)."""

@@ -1,0 +1,255 @@
+"""AWQ and GPTQ W4A16 targets for vLLM and SGLang: llm-compressor quantizes, vLLM validates.
+
+Format choice: llm-compressor writes compressed-tensors (pack-quantized), which vLLM loads
+natively (its CPU int4 kernel here, Marlin on GPUs) and SGLang loads as `compressed-tensors`.
+One quantizer environment serves both methods.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.constants import ENV_LLMCOMPRESSOR, ENV_SGLANG, ENV_VLLM, STATUS_FAILED, STATUS_SKIPPED
+from pipeline.errors import EngineError
+from pipeline.hashing import file_sha256, json_sha256
+from pipeline.recipe import AwqTarget, GptqTarget, Int4Target, TargetSpec
+from pipeline.targets.base import BuildContext, TargetBuilder, gate, register, removed_on_error
+from pipeline.workers import environment_exists, interpreter
+
+LLMCOMPRESSOR = "pipeline.engines.llmcompressor"
+VLLM = "pipeline.engines.vllm"
+SGLANG = "pipeline.engines.sglang"
+QUANTIZE_TIMEOUT_S = 6 * 3600
+VALIDATE_TIMEOUT_S = 1800
+SERVE_TIMEOUT_S = 900
+SGLANG_QUANTIZATION = "compressed-tensors"  # what SGLang's --quantization must say for these
+
+
+class Int4Builder(TargetBuilder):
+    engine = "vllm"
+    format = "safetensors"
+    environments = (ENV_LLMCOMPRESSOR, ENV_VLLM)
+
+    def _method_options(self, spec: Int4Target) -> dict[str, Any]:
+        return {}
+
+    def build(self, ctx: BuildContext, name: str, spec: TargetSpec, out: Path) -> dict[str, Any]:
+        assert isinstance(spec, Int4Target)
+        cal = ctx.loaded.recipe.calibration
+        assert cal is not None  # the recipe schema requires it
+        text = ctx.loaded.text_path(cal.dataset)
+        samples = spec.calibration.samples or cal.samples
+        seq_len = spec.calibration.seq_len or cal.seq_len
+        ctx.reporter.step(name, f"{self.kind.upper()} calibration with llm-compressor")
+        result = ctx.worker(
+            ENV_LLMCOMPRESSOR,
+            LLMCOMPRESSOR,
+            {
+                "op": "quantize",
+                "method": self.kind,
+                "model_dir": str(ctx.source.path),
+                "out_dir": str(out),
+                "trust_remote_code": ctx.loaded.recipe.source.trust_remote_code,
+                "text_path": str(text),
+                "samples": samples,
+                "seq_len": seq_len,
+                "seed": cal.seed,
+                "bits": spec.bits,
+                "group_size": spec.group_size,
+                "symmetric": spec.symmetric,
+                "ignore": spec.ignore,
+                "dtype": spec.dtype,
+                **self._method_options(spec),
+            },
+            name,
+            timeout_s=QUANTIZE_TIMEOUT_S,
+        )
+        qcfg = result["quantization_config"]
+        return {
+            "quant": self.quant_name(spec),
+            "quantization": {
+                "method": self.kind,
+                "quant_method": qcfg.get("quant_method"),
+                "format": qcfg.get("format"),
+                "scheme": f"W{spec.bits}A16 group {spec.group_size} {'sym' if spec.symmetric else 'asym'}",
+                "library": "llm-compressor",
+                "library_version": result["toolchain"]["llmcompressor"],
+                "seconds": round(result["seconds"], 1),
+                "calibration": {
+                    "dataset": cal.dataset,
+                    "dataset_sha256": file_sha256(text),
+                    "samples": result["chunks"],
+                    "tokens": result["tokens"],
+                    "seq_len": seq_len,
+                    "seed": cal.seed,
+                },
+                "vllm_quantization": qcfg.get("quant_method"),
+                "sglang_quantization": SGLANG_QUANTIZATION,
+            },
+        }
+
+    def quant_name(self, spec: Int4Target) -> str:
+        return f"{self.kind}-w{spec.bits}a16-g{spec.group_size}"
+
+    def validate(self, ctx: BuildContext, name: str, spec: TargetSpec, artifact: Path) -> dict[str, Any]:
+        assert isinstance(spec, Int4Target)
+        ref, ref_dir = ctx.reference()
+        engine_ref = _vllm_reference(ctx, ref, ref_dir, spec.dtype)
+        ctx.reporter.step(name, "validating in vLLM")
+        got = _vllm_validate(ctx, name, str(artifact), ref, ref_dir, spec.dtype)
+        ctx.reporter.step(name, "serving once through vLLM's OpenAI server")
+        longest = max(len(g["prompt_ids"]) for g in ref["generations"])
+        serve = ctx.worker(
+            ENV_VLLM,
+            VLLM,
+            {
+                "op": "serve_check",
+                "model_dir": str(artifact),
+                "dtype": spec.dtype,
+                "max_model_len": longest + 64,
+                "prompt_ids": ref["generations"][0]["prompt_ids"],
+                "expected_text": got["generations"][0]["text"],
+                "ready_timeout_s": SERVE_TIMEOUT_S - 60,
+            },
+            name,
+            timeout_s=SERVE_TIMEOUT_S,
+        )
+        metrics = {
+            "ppl": got["ppl"],
+            "ppl_ref": ref["ppl"],
+            "ppl_delta_pct": (got["ppl"] / ref["ppl"] - 1.0) * 100.0,
+            "ppl_engine_ref": engine_ref["ppl"],
+            "ppl_delta_vs_engine_ref_pct": (got["ppl"] / engine_ref["ppl"] - 1.0) * 100.0,
+            "kld_mean": got["kld_mean"],
+            "kld_method": got["kld_method"],
+            "token_agreement": got["token_agreement"],
+            "top1_agreement": got["top1_agreement"],
+            "tokens_per_s": got["tokens_per_s"],
+            "prompt_tokens_per_s": got["prompt_tokens_per_s"],
+            "startup_s": got["startup_s"],
+            "eval_tokens": len(ref["eval_ids"]),
+        }
+        status, reason = gate(metrics, spec.gates)
+        if not serve["ok"]:
+            status = STATUS_FAILED
+            reason = (
+                f"OpenAI server answered {serve['text']!r}, expected to start {serve['expected_prefix']!r}"
+            )
+        return {
+            "status": status,
+            "reason": reason,
+            "engine": "vllm",
+            "metrics": metrics,
+            "gates": spec.gates.model_dump(),
+            "generations": got["generations"],
+            "engine_env": got["engine_env"],
+            "engine_quantization": got["quantization"],
+            "engine_reference": {
+                "ppl": engine_ref["ppl"],
+                "dtype": spec.dtype,
+                "kld_mean": engine_ref["kld_mean"],
+            },
+            "serve_check": serve,
+            "reference": {"engine": "transformers", "toolchain": ref["toolchain"], "dtype": "float32"},
+            "sglang": _sglang_validation(ctx, name, spec, artifact, ref, ref_dir),
+        }
+
+    def serve_command(self, spec: TargetSpec) -> str:
+        assert isinstance(spec, Int4Target)
+        return (
+            "python -m vllm.entrypoints.openai.api_server --model ${ARTIFACT_DIR} "
+            f"--dtype {spec.dtype} --host 127.0.0.1 --port 8000"
+        )
+
+
+def _sglang_validation(
+    ctx: BuildContext, name: str, spec: Int4Target, artifact: Path, ref: dict[str, Any], ref_dir: Path
+) -> dict[str, Any]:
+    """SGLang's own verdict where its environment exists (GPU build servers); `skipped` here."""
+    record: dict[str, Any] = {
+        "quantization": SGLANG_QUANTIZATION,
+        "command": "python -m sglang.launch_server --model-path ${ARTIFACT_DIR} "
+        f"--quantization {SGLANG_QUANTIZATION} --dtype {spec.dtype}",
+    }
+    if not environment_exists(ENV_SGLANG):
+        return {
+            **record,
+            "status": STATUS_SKIPPED,
+            "reason": f"no SGLang environment ({interpreter(ENV_SGLANG)} missing): PyPI's sglang is "
+            "CUDA-only and its CPU kernels are a source build not on PyPI; validate on a GPU build server",
+        }
+    ctx.reporter.step(name, "validating in SGLang")
+    try:
+        got = ctx.worker(
+            ENV_SGLANG,
+            SGLANG,
+            {
+                "op": "validate",
+                "model_dir": str(artifact),
+                "quantization": SGLANG_QUANTIZATION,
+                "dtype": spec.dtype,
+                "reference": ref,
+                "reference_dir": str(ref_dir),
+                "max_new_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
+            },
+            name,
+            timeout_s=VALIDATE_TIMEOUT_S,
+        )
+    except EngineError as exc:
+        return {**record, "status": STATUS_FAILED, "reason": str(exc)}
+    metrics = {**got, "ppl_ref": ref["ppl"], "ppl_delta_pct": (got["ppl"] / ref["ppl"] - 1.0) * 100.0}
+    status, reason = gate(metrics, spec.gates)
+    return {**record, "status": status, "reason": reason, "metrics": metrics}
+
+
+def _vllm_validate(
+    ctx: BuildContext, log: str, model_dir: str, ref: dict[str, Any], ref_dir: Path, dtype: str
+) -> dict[str, Any]:
+    return ctx.worker(
+        ENV_VLLM,
+        VLLM,
+        {
+            "op": "validate",
+            "model_dir": model_dir,
+            "dtype": dtype,
+            "reference": ref,
+            "reference_dir": str(ref_dir),
+            "max_new_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
+        },
+        log,
+        timeout_s=VALIDATE_TIMEOUT_S,
+    )
+
+
+def _vllm_reference(ctx: BuildContext, ref: dict[str, Any], ref_dir: Path, dtype: str) -> dict[str, Any]:
+    """The unquantized source scored in vLLM (cached): separates engine noise from quantization."""
+    key = json_sha256({"ref": ref_dir.name, "dtype": dtype, "tc": ctx.toolchain(ENV_VLLM)})[:16]
+    path = ctx.layout.cache_dir / f"vllm-reference-{key}.json"
+    if not path.is_file():
+        ctx.reporter.step("reference", "scoring the unquantized source in vLLM")
+        tmp = path.with_suffix(".tmp")
+        with removed_on_error(tmp):
+            result = _vllm_validate(ctx, "vllm-reference", str(ctx.source.path), ref, ref_dir, dtype)
+            tmp.write_text(json.dumps(result))
+        tmp.rename(path)
+    return json.loads(path.read_text())
+
+
+@register
+class AwqBuilder(Int4Builder):
+    kind = "awq"
+
+    def _method_options(self, spec: Int4Target) -> dict[str, Any]:
+        assert isinstance(spec, AwqTarget)
+        return {"n_grid": spec.n_grid}
+
+
+@register
+class GptqBuilder(Int4Builder):
+    kind = "gptq"
+
+    def _method_options(self, spec: Int4Target) -> dict[str, Any]:
+        assert isinstance(spec, GptqTarget)
+        return {"act_order": spec.act_order, "dampening_frac": spec.dampening_frac}

@@ -324,10 +324,12 @@ def load_recipe(path: str | Path) -> LoadedRecipe:
 def _check_group_sizes(loaded: LoadedRecipe) -> None:
     """A group size must divide every quantized layer's input size: say so now, not after hours
     of calibration. Skipped when the model config is not on this machine yet (hub, not cached)."""
-    config = source_config(loaded)
-    if config is None:
+    if not any(getattr(t, "group_size", -1) > 0 for t in loaded.recipe.targets.values()):
         return
-    hidden = config["hidden_size"]
+    config = source_config(loaded)
+    hidden = (config or {}).get("hidden_size")
+    if config is None or not isinstance(hidden, int):
+        return
     heads = config.get("num_attention_heads", 1)
     sizes = {
         "hidden_size": hidden,

@@ -178,7 +178,8 @@ def _sglang_validation(
             **record,
             "status": STATUS_SKIPPED,
             "reason": f"no SGLang environment ({interpreter(ENV_SGLANG)} missing): PyPI's sglang is "
-            "CUDA-only and its CPU kernels are a source build not on PyPI; validate on a GPU build server",
+            "CUDA-only and its CPU kernel (sgl-kernel csrc/cpu) has no sdist or CPU wheel on PyPI; "
+            "validate on a GPU build server",
         }
     ctx.reporter.step(name, "validating in SGLang")
     try:

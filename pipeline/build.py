@@ -14,6 +14,7 @@ from pipeline.constants import MANIFEST_NAME, MANIFEST_SCHEMA
 from pipeline.errors import DiskFullError, PipelineError
 from pipeline.hashing import json_sha256
 from pipeline.recipe import TargetSpec, load_recipe, select_targets
+from pipeline.registry import Registry
 from pipeline.source import resolve_source
 from pipeline.targets import BUILDERS, BuildContext
 from pipeline.targets.base import NullReporter, Reporter
@@ -107,6 +108,7 @@ def _build_target(ctx: BuildContext, name: str, spec: TargetSpec, force: bool) -
     if not force and (final / MANIFEST_NAME).is_file():
         old = read_manifest(final)
         if old.get("build", {}).get("inputs_sha256") == inputs:
+            Registry(ctx.layout.root).register(final)
             return _result(name, "up-to-date", final, old)
 
     t0 = time.perf_counter()
@@ -144,6 +146,7 @@ def _build_target(ctx: BuildContext, name: str, spec: TargetSpec, force: bool) -
         }
         write_manifest(staging, manifest)
         publish(staging, final)
+        Registry(ctx.layout.root).register(final)
     except OSError as exc:
         if is_disk_full(exc):
             raise DiskFullError(f"{name}: no space left on device in {ctx.layout.recipe_dir}") from None

@@ -15,8 +15,9 @@ from rich.table import Table
 
 from pipeline.artifacts import artifacts_root, iter_artifacts, read_manifest
 from pipeline.build import TargetResult, build_recipe
-from pipeline.errors import PipelineError, ValidationFailed
+from pipeline.errors import PipelineError, RegistryError, ValidationFailed
 from pipeline.recipe import load_recipe
+from pipeline.registry import Registry
 from pipeline.workers import ENVIRONMENTS, environment_exists, interpreter, run_worker
 
 app = typer.Typer(
@@ -171,6 +172,97 @@ def show(artifact: Annotated[str, typer.Argument(help="RECIPE/TARGET")], as_json
     for f in manifest["files"]:
         out.print(f"  {f['path']}  {f['bytes']} bytes  sha256 {f['sha256'][:16]}…")
     out.print(f"serve: {manifest['serve']['command']}")
+
+
+registry_app = typer.Typer(
+    help="Query the artifact registry (deploy jobs script these).", no_args_is_help=True
+)
+app.add_typer(registry_app, name="registry")
+RefArg = Annotated[str, typer.Argument(help="RECIPE/TARGET")]
+
+
+def _registry() -> Registry:
+    return Registry(artifacts_root())
+
+
+def _emit(data: Any, as_json: bool) -> None:
+    if as_json:
+        out.print_json(json.dumps(data))
+    else:
+        out.print(data)
+
+
+@registry_app.command("list")
+def registry_list(
+    all_: Annotated[
+        bool, typer.Option("--all", help="Include artifacts whose validation did not pass.")
+    ] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Every registered artifact (validated ones unless --all)."""
+    entries = _run(lambda: _registry().entries(include_failed=all_))
+    if as_json:
+        _emit(entries, True)
+        return
+    table = Table(title=f"registry {_registry().path}")
+    for col in ("recipe", "target", "engine", "quant", "gpu", "status", "stages"):
+        table.add_column(col)
+    for e in entries:
+        table.add_row(
+            e["recipe"],
+            e["target"],
+            e["engine"],
+            e["quant"],
+            e["gpu_arch"] or "-",
+            e["status"],
+            ",".join(e["stages"]),
+        )
+    out.print(table)
+
+
+@registry_app.command("show")
+def registry_show(ref: RefArg, as_json: JsonOpt = False) -> None:
+    """One artifact's registered manifest."""
+    _emit(_run(lambda: _registry().show(ref)), as_json)
+
+
+@registry_app.command("resolve")
+def registry_resolve(
+    model: Annotated[str, typer.Option("--model", help="Recipe name, e.g. qwen2-7b.")],
+    engine: Annotated[str, typer.Option("--engine", help="llama.cpp, vllm, ...")],
+    quant: Annotated[str, typer.Option("--quant", help="Q4_0, awq-w4a16-g64, ...")],
+    gpu_arch: Annotated[str | None, typer.Option("--gpu-arch", help="e.g. sm90")] = None,
+    stage: Annotated[str | None, typer.Option("--stage", help="dev, staging or prod")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Also match artifacts that did not pass.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Exactly one artifact: path, files with sha256, serve command."""
+    _emit(_run(lambda: _registry().resolve(model, engine, quant, gpu_arch, stage, all_)), as_json)
+
+
+@registry_app.command("verify")
+def registry_verify(ref: RefArg, as_json: JsonOpt = False) -> None:
+    """Re-hash an artifact's files against its manifest; non-zero exit when anything differs."""
+    problems = _run(lambda: _registry().verify(ref))
+    _emit({"artifact": ref, "ok": not problems, "problems": problems}, as_json)
+    if problems:
+        raise typer.Exit(RegistryError.exit_code)
+
+
+@registry_app.command("promote")
+def registry_promote(
+    ref: RefArg,
+    stage: Annotated[str, typer.Option("--stage", help="dev, staging or prod")],
+    as_json: JsonOpt = False,
+) -> None:
+    """Put a validated, intact artifact into a stage."""
+    _emit(_run(lambda: _registry().promote(ref, stage)), as_json)
+
+
+@registry_app.command("rebuild")
+def registry_rebuild(as_json: JsonOpt = False) -> None:
+    """Recreate the index from the manifests on disk."""
+    _emit({"registered": _run(lambda: _registry().rebuild())}, as_json)
 
 
 @app.command("env")

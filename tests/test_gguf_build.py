@@ -20,6 +20,7 @@ from pipeline.cli import app
 from pipeline.constants import MANIFEST_NAME, STAGING_PREFIX
 from pipeline.errors import DiskFullError
 from pipeline.hashing import file_sha256
+from pipeline.registry import Registry
 from tests.conftest import read_json, write_recipe
 
 pytestmark = pytest.mark.slow
@@ -78,6 +79,11 @@ def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_art
 
     again = build_recipe(recipe, threads=2)
     assert {r.outcome for r in again} == {"up-to-date"}
+
+    registry = Registry(_isolated_artifacts)
+    hit = registry.resolve("tiny", "llama.cpp", "F16")
+    assert Path(hit["path"]) == (root / "gguf-f16").resolve() and hit["files"] == f16["files"]
+    assert registry.verify("tiny/gguf-f16") == []
 
     listed = CliRunner().invoke(app, ["list", "--json"])
     assert listed.exit_code == 0

@@ -1,0 +1,221 @@
+"""The artifact registry: one SQLite index over every manifest, and the queries deploy jobs run.
+
+The manifests are the truth; the index (`<artifacts>/registry.sqlite`) is derived from them and
+can always be rebuilt (`pipeline registry rebuild`). SQLite's own locking makes concurrent
+builds safe: each registration is one short write transaction, with a busy timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import iter_artifacts, read_manifest, verify_files
+from pipeline.constants import MANIFEST_NAME, STATUS_PASSED
+from pipeline.errors import RegistryError
+from pipeline.hashing import file_sha256
+
+INDEX_NAME = "registry.sqlite"
+STAGES = ("dev", "staging", "prod")
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS artifacts (
+    recipe TEXT NOT NULL, target TEXT NOT NULL, path TEXT NOT NULL,
+    kind TEXT, engine TEXT, format TEXT, quant TEXT, gpu_arch TEXT,
+    status TEXT, manifest_sha256 TEXT NOT NULL, manifest TEXT NOT NULL, registered_at TEXT,
+    PRIMARY KEY (recipe, target)
+);
+CREATE TABLE IF NOT EXISTS stages (
+    recipe TEXT NOT NULL, target TEXT NOT NULL, stage TEXT NOT NULL,
+    manifest_sha256 TEXT NOT NULL, promoted_at TEXT,
+    PRIMARY KEY (recipe, target, stage)
+);
+"""
+
+
+class Registry:
+    """Index + queries over the artifacts under one root directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.path = root / INDEX_NAME
+
+    @contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            conn = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            raise RegistryError(
+                f"registry index {self.path} is unreadable ({exc}). To resolve, run "
+                "`pipeline registry rebuild`: the index is rebuilt from the manifests"
+            ) from None
+        try:
+            yield conn
+        finally:
+            conn.close()
+
+    def register(self, artifact_dir: Path) -> None:
+        """Add or replace one artifact's row from its manifest."""
+        manifest = read_manifest(artifact_dir)
+        row = _row(artifact_dir, manifest)
+        with self._db() as db:
+            db.execute("BEGIN IMMEDIATE")
+            db.execute("INSERT OR REPLACE INTO artifacts VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", row)
+            db.execute("COMMIT")
+
+    def rebuild(self) -> int:
+        """Recreate the index from the manifests on disk (stages kept where still valid)."""
+        stages: list[tuple[Any, ...]] = []
+        if self.path.exists():
+            try:
+                with self._db() as db:
+                    stages = db.execute("SELECT * FROM stages").fetchall()
+            except RegistryError:
+                stages = []
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+        rows = [_row(d, m) for d, m in iter_artifacts(self.root)]
+        with self._db() as db:
+            db.execute("BEGIN IMMEDIATE")
+            db.executemany("INSERT OR REPLACE INTO artifacts VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+            current = {(r[0], r[1]): r[9] for r in rows}
+            db.executemany(
+                "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?)",
+                [s for s in stages if current.get((s[0], s[1])) == s[3]],
+            )
+            db.execute("COMMIT")
+        return len(rows)
+
+    def entries(self, include_failed: bool = True) -> list[dict[str, Any]]:
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT a.recipe, a.target, a.path, a.kind, a.engine, a.format, a.quant, a.gpu_arch, "
+                "a.status, a.manifest_sha256, group_concat(s.stage) FROM artifacts a LEFT JOIN stages s "
+                "ON s.recipe = a.recipe AND s.target = a.target AND s.manifest_sha256 = a.manifest_sha256 "
+                "GROUP BY a.recipe, a.target ORDER BY a.recipe, a.target"
+            ).fetchall()
+        keys = ("recipe", "target", "path", "kind", "engine", "format", "quant", "gpu_arch", "status")
+        out = []
+        for r in rows:
+            entry = dict(zip(keys, r[:9], strict=True))
+            entry["manifest_sha256"] = r[9]
+            entry["stages"] = sorted((r[10] or "").split(",")) if r[10] else []
+            if include_failed or entry["status"] == STATUS_PASSED:
+                out.append(entry)
+        return out
+
+    def show(self, ref: str) -> dict[str, Any]:
+        recipe, target = _split(ref)
+        with self._db() as db:
+            row = db.execute(
+                "SELECT manifest, path FROM artifacts WHERE recipe = ? AND target = ?", (recipe, target)
+            ).fetchone()
+        if row is None:
+            raise RegistryError(f"no artifact {ref} in the registry (try `pipeline registry list`)")
+        return {"path": row[1], **json.loads(row[0])}
+
+    def resolve(
+        self,
+        model: str,
+        engine: str,
+        quant: str,
+        gpu_arch: str | None = None,
+        stage: str | None = None,
+        include_failed: bool = False,
+    ) -> dict[str, Any]:
+        """Exactly one artifact for (model, engine, quant[, gpu arch][, stage]), or a clear error."""
+        matches = [
+            e
+            for e in self.entries(include_failed)
+            if e["recipe"] == model
+            and e["engine"] == engine
+            and e["quant"].lower() == quant.lower()
+            and (gpu_arch is None or e["gpu_arch"] in (None, gpu_arch))
+            and (stage is None or stage in e["stages"])
+        ]
+        query = f"model={model} engine={engine} quant={quant} gpu_arch={gpu_arch} stage={stage}"
+        if not matches:
+            hint = "" if include_failed else " (artifacts whose validation did not pass are skipped)"
+            raise RegistryError(f"nothing resolves {query}{hint}")
+        if len(matches) > 1:
+            names = ", ".join(f"{m['recipe']}/{m['target']}" for m in matches)
+            raise RegistryError(f"{query} is ambiguous: {names}; add --gpu-arch or --stage")
+        entry = matches[0]
+        manifest = self.show(f"{entry['recipe']}/{entry['target']}")
+        return {
+            **entry,
+            "files": manifest["files"],
+            "serve": manifest["serve"],
+            "validation": {k: manifest["validation"].get(k) for k in ("status", "reason", "metrics")},
+        }
+
+    def verify(self, ref: str) -> list[str]:
+        """Re-hash an artifact against its manifest and the index; empty list when intact."""
+        entry = self.show(ref)
+        directory = Path(entry["path"])
+        problems = verify_files(directory, entry)
+        manifest_path = directory / MANIFEST_NAME
+        if not manifest_path.is_file():
+            problems.append(f"{MANIFEST_NAME}: missing")
+        else:
+            with self._db() as db:
+                (indexed,) = db.execute(
+                    "SELECT manifest_sha256 FROM artifacts WHERE recipe = ? AND target = ?", _split(ref)
+                ).fetchone()
+            if file_sha256(manifest_path) != indexed:
+                problems.append(f"{MANIFEST_NAME}: changed since it was registered")
+        return problems
+
+    def promote(self, ref: str, stage: str) -> dict[str, Any]:
+        """Mark the current manifest of an artifact as being in `stage` (validated ones only)."""
+        if stage not in STAGES:
+            raise RegistryError(f"unknown stage {stage!r} (known: {', '.join(STAGES)})")
+        entry = self.show(ref)
+        if entry["validation"]["status"] != STATUS_PASSED:
+            raise RegistryError(
+                f"{ref} did not pass validation ({entry['validation']['status']}); not promoted"
+            )
+        problems = self.verify(ref)
+        if problems:
+            raise RegistryError(f"{ref} fails verification: {'; '.join(problems)}; not promoted")
+        recipe, target = _split(ref)
+        with self._db() as db:
+            (sha,) = db.execute(
+                "SELECT manifest_sha256 FROM artifacts WHERE recipe = ? AND target = ?", (recipe, target)
+            ).fetchone()
+            db.execute(
+                "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?)",
+                (recipe, target, stage, sha, datetime.now(UTC).isoformat(timespec="seconds")),
+            )
+        return {"artifact": ref, "stage": stage, "manifest_sha256": sha}
+
+
+def _split(ref: str) -> tuple[str, str]:
+    recipe, sep, target = ref.partition("/")
+    if not sep or not recipe or not target:
+        raise RegistryError(f"artifact reference {ref!r} must be RECIPE/TARGET")
+    return recipe, target
+
+
+def _row(artifact_dir: Path, manifest: dict[str, Any]) -> tuple[Any, ...]:
+    return (
+        manifest["recipe"],
+        manifest["target"],
+        str(artifact_dir.resolve()),
+        manifest.get("kind"),
+        manifest.get("engine"),
+        manifest.get("format"),
+        manifest.get("quant"),
+        (manifest.get("build") or {}).get("gpu_arch"),
+        (manifest.get("validation") or {}).get("status"),
+        file_sha256(artifact_dir / MANIFEST_NAME),
+        json.dumps(manifest),
+        datetime.now(UTC).isoformat(timespec="seconds"),
+    )

@@ -1,0 +1,138 @@
+"""Registry: index over manifests, resolve/verify/promote, parallel writers, a garbage index."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.artifacts import file_entries, write_manifest
+from pipeline.cli import app
+from pipeline.errors import RegistryError
+from pipeline.registry import Registry
+
+
+def _artifact(root: Path, recipe: str, target: str, engine: str, quant: str, status: str = "passed") -> Path:
+    """A real artifact directory: a weights file plus a manifest with its checksums."""
+    d = root / recipe / target
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "model.bin").write_bytes(f"{recipe}/{target}".encode() * 100)
+    manifest = {
+        "schema": "pipeline.artifact/v1",
+        "recipe": recipe,
+        "target": target,
+        "kind": target.split("-")[0],
+        "engine": engine,
+        "format": "gguf",
+        "quant": quant,
+        "files": file_entries(d),
+        "build": {"gpu_arch": None},
+        "validation": {"status": status, "reason": None, "metrics": {"ppl_delta_pct": 1.0}},
+        "serve": {"command": "python -m llama_cpp.server --model ${ARTIFACT_DIR}/model.bin"},
+    }
+    write_manifest(d, manifest)
+    return d
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Registry:
+    root = tmp_path / "artifacts"
+    for target, quant, status in (("gguf-q8_0", "Q8_0", "passed"), ("gguf-q4_0", "Q4_0", "failed")):
+        _artifact(root, "m", target, "llama.cpp", quant, status)
+    reg = Registry(root)
+    assert reg.rebuild() == 2
+    return reg
+
+
+def test_resolve_returns_files_and_serve_command(registry: Registry) -> None:
+    hit = registry.resolve("m", "llama.cpp", "q8_0")
+    assert hit["target"] == "gguf-q8_0" and hit["files"][0]["path"] == "model.bin"
+    assert "${ARTIFACT_DIR}" in hit["serve"]["command"]
+
+
+def test_failed_validation_does_not_resolve_unless_asked(registry: Registry) -> None:
+    with pytest.raises(RegistryError, match=r"validation did not pass are skipped"):
+        registry.resolve("m", "llama.cpp", "Q4_0")
+    assert registry.resolve("m", "llama.cpp", "Q4_0", include_failed=True)["status"] == "failed"
+
+
+def test_nothing_and_ambiguous(registry: Registry, tmp_path: Path) -> None:
+    with pytest.raises(RegistryError, match="nothing resolves model=m engine=vllm"):
+        registry.resolve("m", "vllm", "Q8_0")
+    registry.register(_artifact(registry.root, "m", "gguf-q8_0-b", "llama.cpp", "Q8_0"))
+    with pytest.raises(RegistryError, match="ambiguous: m/gguf-q8_0, m/gguf-q8_0-b"):
+        registry.resolve("m", "llama.cpp", "Q8_0")
+
+
+def test_verify_catches_a_flipped_byte(registry: Registry) -> None:
+    assert registry.verify("m/gguf-q8_0") == []
+    weights = registry.root / "m" / "gguf-q8_0" / "model.bin"
+    data = bytearray(weights.read_bytes())
+    data[10] ^= 1
+    weights.write_bytes(bytes(data))
+    assert registry.verify("m/gguf-q8_0") == ["model.bin: checksum mismatch"]
+    res = CliRunner().invoke(
+        app, ["registry", "verify", "m/gguf-q8_0", "--json"], env={"PIPELINE_ARTIFACTS": str(registry.root)}
+    )
+    assert res.exit_code == RegistryError.exit_code and json.loads(res.output)["ok"] is False
+
+
+def test_promote_and_resolve_by_stage(registry: Registry) -> None:
+    registry.promote("m/gguf-q8_0", "prod")
+    assert registry.resolve("m", "llama.cpp", "Q8_0", stage="prod")["stages"] == ["prod"]
+    with pytest.raises(RegistryError, match="nothing resolves"):
+        registry.resolve("m", "llama.cpp", "Q8_0", stage="staging")
+    with pytest.raises(RegistryError, match="did not pass validation"):
+        registry.promote("m/gguf-q4_0", "prod")
+    with pytest.raises(RegistryError, match="unknown stage 'live'"):
+        registry.promote("m/gguf-q8_0", "live")
+    # a rebuilt artifact (new manifest) is not in prod until promoted again
+    registry.register(_artifact(registry.root, "m", "gguf-q8_0", "llama.cpp", "Q8_0"))
+    (registry.root / "m" / "gguf-q8_0" / "model.bin").write_bytes(b"new weights")
+    registry.register(_rewrite(registry.root / "m" / "gguf-q8_0"))
+    with pytest.raises(RegistryError, match="nothing resolves"):
+        registry.resolve("m", "llama.cpp", "Q8_0", stage="prod")
+
+
+def _rewrite(d: Path) -> Path:
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["files"] = file_entries(d)
+    write_manifest(d, manifest)
+    return d
+
+
+def test_garbage_index_is_a_clear_error_and_rebuildable(registry: Registry) -> None:
+    registry.promote("m/gguf-q8_0", "prod")
+    registry.path.write_bytes(b"this is not a database" * 100)
+    for suffix in ("-wal", "-shm"):
+        Path(f"{registry.path}{suffix}").unlink(missing_ok=True)
+    with pytest.raises(RegistryError, match=r"unreadable.*pipeline registry rebuild"):
+        registry.entries()
+    assert registry.rebuild() == 2
+    assert registry.resolve("m", "llama.cpp", "Q8_0")["target"] == "gguf-q8_0"
+
+
+def _register_many(root: str, worker: int) -> None:
+    reg = Registry(Path(root))
+    for i in range(15):
+        reg.register(_artifact(Path(root), f"r{worker}", f"gguf-t{i}", "llama.cpp", f"Q{i}"))
+
+
+def test_parallel_writers(tmp_path: Path) -> None:
+    root = tmp_path / "artifacts"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_register_many, args=(str(root), w)) for w in range(6)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * 6
+    assert len(Registry(root).entries()) == 6 * 15
+
+
+def test_bad_reference(registry: Registry) -> None:
+    with pytest.raises(RegistryError, match="must be RECIPE/TARGET"):
+        registry.show("nope")

@@ -93,6 +93,7 @@ def _inputs_sha256(ctx: BuildContext, name: str, spec: TargetSpec, toolchain: di
             "calibration": r.calibration.model_dump() if r.calibration else None,
             "evaluation": r.evaluation.model_dump(),
             "smoke": r.smoke.model_dump(),
+            "serve": r.serve.model_dump(),  # the manifest's serve command carries these knobs
             "toolchain": toolchain,
         }
     )
@@ -141,7 +142,7 @@ def _build_target(ctx: BuildContext, name: str, spec: TargetSpec, force: bool) -
                 "spec": spec.model_dump(exclude={"gates"}),
             },
             "validation": validation,
-            "serve": {"command": builder.serve_command(spec)},
+            "serve": {"command": builder.serve_command(spec, ctx.loaded.recipe.serve)},
             **built,
         }
         write_manifest(staging, manifest)

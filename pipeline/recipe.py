@@ -115,6 +115,44 @@ class Gates(Strict):
     min_token_agreement: float = Field(0.0, ge=0, le=1)
 
 
+class LlamaCppServe(Strict):
+    """llama-cpp-python's OpenAI server (`python -m llama_cpp.server`)."""
+
+    n_ctx: int = Field(4096, ge=16)
+    n_gpu_layers: int = Field(0, ge=-1)  # -1: every layer on the GPU
+    n_threads: int | None = Field(None, ge=1)
+
+
+class VllmServe(Strict):
+    """vLLM's OpenAI server."""
+
+    max_model_len: int = Field(4096, ge=16)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+
+
+class SglangServe(Strict):
+    """SGLang's server (`python -m sglang.launch_server`)."""
+
+    context_length: int = Field(4096, ge=16)
+    mem_fraction_static: float = Field(0.85, gt=0, le=1)
+
+
+class ServeSpec(Strict):
+    """The serving knobs operators tune; every serve command in a manifest carries them.
+
+    ```yaml
+    serve: {port: 8000, vllm: {max_model_len: 8192, gpu_memory_utilization: 0.9}}
+    ```
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    llamacpp: LlamaCppServe = LlamaCppServe()
+    vllm: VllmServe = VllmServe()
+    sglang: SglangServe = SglangServe()
+
+
 class TargetSpec(Strict):
     """Common fields of every target kind; subclasses add a `kind` literal and their options."""
 
@@ -220,6 +258,7 @@ class Recipe(Strict):
     calibration: CalibrationSpec | None = None
     evaluation: EvaluationSpec = EvaluationSpec()
     smoke: SmokeSpec
+    serve: ServeSpec = ServeSpec()
     targets: dict[str, TargetSpec] = Field(min_length=1)
 
     @field_validator("name")

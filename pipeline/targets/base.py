@@ -131,6 +131,21 @@ def removed_on_error(path: Path) -> Iterator[None]:
         raise
 
 
+def scored_metrics(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's `validation.metrics` common to every engine, from an engine's scores."""
+    return {
+        "ppl": got["ppl"],
+        "ppl_ref": ref["ppl"],
+        "ppl_delta_pct": (got["ppl"] / ref["ppl"] - 1.0) * 100.0,
+        "kld_mean": got["kld_mean"],
+        "token_agreement": got["token_agreement"],
+        "top1_agreement": got["top1_agreement"],
+        "tokens_per_s": got["tokens_per_s"],
+        "prompt_tokens_per_s": got["prompt_tokens_per_s"],
+        "eval_tokens": len(ref["eval_ids"]),
+    }
+
+
 def gate(metrics: dict[str, Any], gates: Gates) -> tuple[str, str | None]:
     """(status, reason): perplexity and KLD gate; token agreement gates only if the recipe asks."""
     failures = []

@@ -12,7 +12,14 @@ from pipeline.constants import ENV_LLAMACPP, ENV_TRANSFORMERS, GGUF_BASE_OUTTYPE
 from pipeline.engines.calibration import SELECTION_VERSION
 from pipeline.hashing import file_sha256, json_sha256
 from pipeline.recipe import GgufTarget, ServeSpec, TargetSpec
-from pipeline.targets.base import BuildContext, TargetBuilder, gate, register, removed_on_error
+from pipeline.targets.base import (
+    BuildContext,
+    TargetBuilder,
+    gate,
+    register,
+    removed_on_error,
+    scored_metrics,
+)
 
 LLAMACPP = "pipeline.engines.llamacpp"
 HF_REFERENCE = "pipeline.engines.hf_reference"
@@ -147,17 +154,9 @@ class GgufBuilder(TargetBuilder):
             name,
         )
         metrics = {
-            "ppl": got["ppl"],
-            "ppl_ref": ref["ppl"],
-            "ppl_delta_pct": (got["ppl"] / ref["ppl"] - 1.0) * 100.0,
-            "kld_mean": got["kld_mean"],
-            "token_agreement": got["token_agreement"],
-            "tokens_per_s": got["tokens_per_s"],
-            "top1_agreement": got["top1_agreement"],
-            "prompt_tokens_per_s": got["prompt_tokens_per_s"],
+            **scored_metrics(got, ref),
             "load_s": got["load_s"],
             "tokenizer_prefix_match": got["tokenizer_prefix_match"],
-            "eval_tokens": len(ref["eval_ids"]),
         }
         status, reason = gate(metrics, spec.gates)
         if got["eos_token_id"] not in ref["eos_token_ids"]:

@@ -14,8 +14,15 @@ from typing import Any
 from pipeline.constants import ENV_LLMCOMPRESSOR, ENV_SGLANG, ENV_VLLM, STATUS_FAILED, STATUS_SKIPPED
 from pipeline.errors import EngineError
 from pipeline.hashing import file_sha256, json_sha256
-from pipeline.recipe import AwqTarget, GptqTarget, Int4Target, ServeSpec, TargetSpec
-from pipeline.targets.base import BuildContext, TargetBuilder, gate, register, removed_on_error
+from pipeline.recipe import AwqTarget, GptqTarget, Int4Target, LoadedRecipe, ServeSpec, TargetSpec
+from pipeline.targets.base import (
+    BuildContext,
+    TargetBuilder,
+    gate,
+    register,
+    removed_on_error,
+    scored_metrics,
+)
 from pipeline.workers import environment_exists, interpreter
 
 LLMCOMPRESSOR = "pipeline.engines.llmcompressor"
@@ -32,40 +39,14 @@ class Int4Builder(TargetBuilder):
     format = "safetensors"
     environments = (ENV_LLMCOMPRESSOR, ENV_VLLM)
 
-    def _method_options(self, spec: Int4Target) -> dict[str, Any]:
-        return {}
-
     def build(self, ctx: BuildContext, name: str, spec: TargetSpec, out: Path) -> dict[str, Any]:
         assert isinstance(spec, Int4Target)
+        request = quantize_request(ctx.loaded, spec, ctx.source.path, out)
         cal = ctx.loaded.recipe.calibration
         assert cal is not None  # the recipe schema requires it
-        text = ctx.loaded.text_path(cal.dataset)
-        samples = spec.calibration.samples or cal.samples
-        seq_len = spec.calibration.seq_len or cal.seq_len
+        text = Path(request["text_path"])
         ctx.reporter.step(name, f"{self.kind.upper()} calibration with llm-compressor")
-        result = ctx.worker(
-            ENV_LLMCOMPRESSOR,
-            LLMCOMPRESSOR,
-            {
-                "op": "quantize",
-                "method": self.kind,
-                "model_dir": str(ctx.source.path),
-                "out_dir": str(out),
-                "trust_remote_code": ctx.loaded.recipe.source.trust_remote_code,
-                "text_path": str(text),
-                "samples": samples,
-                "seq_len": seq_len,
-                "seed": cal.seed,
-                "bits": spec.bits,
-                "group_size": spec.group_size,
-                "symmetric": spec.symmetric,
-                "ignore": spec.ignore,
-                "dtype": spec.dtype,
-                **self._method_options(spec),
-            },
-            name,
-            timeout_s=QUANTIZE_TIMEOUT_S,
-        )
+        result = ctx.worker(ENV_LLMCOMPRESSOR, LLMCOMPRESSOR, request, name, timeout_s=QUANTIZE_TIMEOUT_S)
         qcfg = result["quantization_config"]
         return {
             "quant": self.quant_name(spec),
@@ -82,7 +63,7 @@ class Int4Builder(TargetBuilder):
                     "dataset_sha256": file_sha256(text),
                     "samples": result["chunks"],
                     "tokens": result["tokens"],
-                    "seq_len": seq_len,
+                    "seq_len": request["seq_len"],
                     "seed": cal.seed,
                 },
                 "vllm_quantization": qcfg.get("quant_method"),
@@ -115,19 +96,11 @@ class Int4Builder(TargetBuilder):
             timeout_s=SERVE_TIMEOUT_S,
         )
         metrics = {
-            "ppl": got["ppl"],
-            "ppl_ref": ref["ppl"],
-            "ppl_delta_pct": (got["ppl"] / ref["ppl"] - 1.0) * 100.0,
+            **scored_metrics(got, ref),
             "ppl_engine_ref": engine_ref["ppl"],
             "ppl_delta_vs_engine_ref_pct": (got["ppl"] / engine_ref["ppl"] - 1.0) * 100.0,
-            "kld_mean": got["kld_mean"],
             "kld_method": got["kld_method"],
-            "token_agreement": got["token_agreement"],
-            "top1_agreement": got["top1_agreement"],
-            "tokens_per_s": got["tokens_per_s"],
-            "prompt_tokens_per_s": got["prompt_tokens_per_s"],
             "startup_s": got["startup_s"],
-            "eval_tokens": len(ref["eval_ids"]),
         }
         status, reason = gate(metrics, spec.gates)
         if not serve["ok"]:
@@ -169,6 +142,34 @@ class Int4Builder(TargetBuilder):
             f"--gpu-memory-utilization {knobs.gpu_memory_utilization}"
             f"{batched}"
         )
+
+
+def quantize_request(loaded: LoadedRecipe, spec: Int4Target, model_dir: Path, out: Path) -> dict[str, Any]:
+    """The llm-compressor worker's request for one target (also what the benchmark runs)."""
+    cal = loaded.recipe.calibration
+    assert cal is not None  # the recipe schema requires it for int4 targets
+    options: dict[str, Any] = {}
+    if isinstance(spec, AwqTarget):
+        options = {"n_grid": spec.n_grid}
+    elif isinstance(spec, GptqTarget):
+        options = {"act_order": spec.act_order, "dampening_frac": spec.dampening_frac}
+    return {
+        "op": "quantize",
+        "method": spec.kind,
+        "model_dir": str(model_dir),
+        "out_dir": str(out),
+        "trust_remote_code": loaded.recipe.source.trust_remote_code,
+        "text_path": str(loaded.text_path(cal.dataset)),
+        "samples": spec.calibration.samples or cal.samples,
+        "seq_len": spec.calibration.seq_len or cal.seq_len,
+        "seed": cal.seed,
+        "bits": spec.bits,
+        "group_size": spec.group_size,
+        "symmetric": spec.symmetric,
+        "ignore": spec.ignore,
+        "dtype": spec.dtype,
+        **options,
+    }
 
 
 def _sglang_validation(
@@ -252,15 +253,7 @@ def _vllm_reference(ctx: BuildContext, ref: dict[str, Any], ref_dir: Path, dtype
 class AwqBuilder(Int4Builder):
     kind = "awq"
 
-    def _method_options(self, spec: Int4Target) -> dict[str, Any]:
-        assert isinstance(spec, AwqTarget)
-        return {"n_grid": spec.n_grid}
-
 
 @register
 class GptqBuilder(Int4Builder):
     kind = "gptq"
-
-    def _method_options(self, spec: Int4Target) -> dict[str, Any]:
-        assert isinstance(spec, GptqTarget)
-        return {"act_order": spec.act_order, "dampening_frac": spec.dampening_frac}

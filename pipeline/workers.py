@@ -143,6 +143,17 @@ def is_disk_full(exc: BaseException) -> bool:
     )
 
 
+def installed_versions(*dists: str) -> dict[str, str]:
+    """Versions of the named distributions installed in this environment (absent ones left out)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for dist in dists:
+        with contextlib.suppress(PackageNotFoundError):
+            found[dist] = version(dist)
+    return found
+
+
 def worker_main(ops: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
     """Entry point of a worker module: dispatch REQUEST.json's op, write RESULT.json."""
     req_path, res_path = Path(sys.argv[1]), Path(sys.argv[2])

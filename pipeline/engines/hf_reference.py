@@ -11,16 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.engines.calibration import calibration_chunks, read_text
-from pipeline.workers import worker_main
+from pipeline.workers import installed_versions, worker_main
 
 EOT_TOKEN = "<|im_end|>"  # ChatML end of turn (SmolLM2, Qwen2)
 
 
 def _versions() -> dict[str, str]:
-    import torch
-    import transformers
-
-    return {"transformers": transformers.__version__, "torch": torch.__version__}
+    return installed_versions("transformers", "torch")
 
 
 def _load(model_dir: str, trust_remote_code: bool) -> tuple[Any, Any]:

@@ -21,7 +21,7 @@ from typing import Any
 
 from pipeline.constants import GGUF_QUANTS
 from pipeline.engines.scoring import common_prefix
-from pipeline.workers import worker_main
+from pipeline.workers import installed_versions, worker_main
 
 
 def llama_cpp_dir() -> Path:
@@ -46,17 +46,18 @@ def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
             f"{llama_cpp.__version__}: rerun scripts/setup.sh"
         )
     converter = llama_cpp_dir() / "convert_hf_to_gguf.py"
+    found = installed_versions("gguf", "torch", "transformers")
     toolchain = {
         "llama.cpp": build["llama_cpp_commit"],
         "llama-cpp-python": llama_cpp.__version__,
         "llama-cpp-python-sdist-sha256": build["sdist_sha256"],
-        "gguf": _dist_version("gguf"),
+        "gguf": found.get("gguf"),
         "numpy": numpy.__version__,
         "python": sys.version.split()[0],
         "convert_hf_to_gguf.py-sha256": hashlib.sha256(converter.read_bytes()).hexdigest(),
     }
     for dist in ("torch", "transformers"):  # the converter reads checkpoints with these
-        toolchain[dist] = _dist_version(dist)
+        toolchain[dist] = found.get(dist)
     _ = gguf  # imported to prove the vendored gguf-py is importable here
     return {
         "toolchain": toolchain,
@@ -64,15 +65,6 @@ def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
         "system_info": llama_cpp.llama_print_system_info().decode().strip(),
         "converter": str(converter),
     }
-
-
-def _dist_version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
 
 
 def op_convert(req: dict[str, Any]) -> dict[str, Any]:

@@ -12,13 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.engines.calibration import calibration_chunks, read_text
-from pipeline.workers import worker_main
+from pipeline.workers import installed_versions, worker_main
 
 
 def _versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    return {d: version(d) for d in ("llmcompressor", "compressed-tensors", "torch", "transformers")}
+    return installed_versions("llmcompressor", "compressed-tensors", "torch", "transformers")
 
 
 def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:

@@ -12,15 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.engines.scoring import common_prefix, kld_topk, softmax
-from pipeline.workers import worker_main
+from pipeline.workers import installed_versions, worker_main
 
 TOP_K = 64
 
 
 def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
-    from importlib.metadata import version
-
-    return {"toolchain": {d: version(d) for d in ("sglang", "torch", "transformers")}}
+    return {"toolchain": installed_versions("sglang", "torch", "transformers")}
 
 
 def op_validate(req: dict[str, Any]) -> dict[str, Any]:

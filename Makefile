@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 .PHONY: setup build test lint bench
 setup: $(VENV)/.setup-done
 
-$(VENV)/.setup-done: scripts/setup.sh pyproject.toml envs/llmcompressor.txt envs/vllm.txt
+$(VENV)/.setup-done: scripts/setup.sh pyproject.toml envs/llmcompressor.txt envs/vllm.txt envs/modelopt.txt
 	scripts/setup.sh
 	touch $@
 

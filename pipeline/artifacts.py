@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.constants import CACHE_DIRNAME, LOGS_DIRNAME, MANIFEST_NAME, STAGING_PREFIX
-from pipeline.errors import DiskFullError, RegistryError
+from pipeline.constants import (
+    CACHE_DIRNAME,
+    LOCKS_DIRNAME,
+    LOGS_DIRNAME,
+    MANIFEST_NAME,
+    METRICS_DIRNAME,
+    REFERENCE_DIRNAME,
+    REPORT_DIRNAME,
+    SOURCE_RECORD,
+    STAGING_PREFIX,
+)
+from pipeline.errors import BuildError, DiskFullError, RegistryError
 from pipeline.hashing import file_sha256
 
 
@@ -40,6 +52,25 @@ class Layout:
     def logs_dir(self) -> Path:
         return self.recipe_dir / LOGS_DIRNAME
 
+    @property
+    def source_record(self) -> Path:
+        return self.recipe_dir / SOURCE_RECORD
+
+    @property
+    def reference_dir(self) -> Path:
+        return self.recipe_dir / REFERENCE_DIRNAME
+
+    def metrics_path(self, target: str) -> Path:
+        return self.metrics_dir / f"{target}.json"
+
+    @property
+    def metrics_dir(self) -> Path:
+        return self.recipe_dir / METRICS_DIRNAME
+
+    @property
+    def report_path(self) -> Path:
+        return self.recipe_dir / REPORT_DIRNAME / "size-vs-ppl.json"
+
     def target_dir(self, target: str) -> Path:
         return self.recipe_dir / target
 
@@ -49,6 +80,32 @@ class Layout:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         return staging
+
+
+@contextmanager
+def build_lock(layout: Layout, name: str, wait: bool = False) -> Iterator[None]:
+    """Hold an exclusive lock on one target (or shared step) of a recipe while it is built.
+
+    A second build of the same target (another `pipeline build`, a parallel `dvc repro`) fails
+    at once with the holder's pid; with `wait`, it waits instead (shared steps: the reference).
+    """
+    path = layout.recipe_dir / LOCKS_DIRNAME / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "unknown"
+            raise BuildError(
+                f"{layout.recipe}/{name} is being built by another process ({holder}); "
+                "wait for it to finish, then build again"
+            ) from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()}")
+        fh.flush()
+        yield
 
 
 def publish(staging: Path, final: Path) -> None:
@@ -88,6 +145,20 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
         if exc.errno == errno.ENOSPC:
             raise DiskFullError(f"no space left on device writing {directory / MANIFEST_NAME}") from None
+        raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON next to `path`, then rename over it: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno == errno.ENOSPC:
+            raise DiskFullError(f"no space left on device writing {path}") from None
         raise
 
 

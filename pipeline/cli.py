@@ -14,8 +14,9 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from pipeline.artifacts import artifacts_root, iter_artifacts, read_manifest
-from pipeline.build import TargetResult, build_recipe
-from pipeline.errors import PipelineError, RegistryError, ValidationFailed
+from pipeline.build import TargetResult, build_recipe, prepare_reference, prepare_source, write_report
+from pipeline.constants import STATUS_UNAVAILABLE
+from pipeline.errors import EngineError, PipelineError, RegistryError, ValidationFailed
 from pipeline.recipe import load_recipe
 from pipeline.registry import Registry
 from pipeline.workers import ENVIRONMENTS, environment_exists, interpreter, run_worker
@@ -58,8 +59,18 @@ def build(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the recipe and show the plan.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Rebuild even if up to date.")] = False,
     threads: Annotated[int, typer.Option(help="Threads for llama.cpp (0: all cores).")] = 0,
+    require_all: Annotated[
+        bool,
+        typer.Option(
+            "--require-all", help="Fail (exit 5) when a target's engine is unavailable on this host."
+        ),
+    ] = False,
 ) -> None:
-    """Build, validate and publish a recipe's artifacts."""
+    """Build, validate and publish a recipe's artifacts.
+
+    A target whose engine this host lacks (TensorRT-LLM without it or its GPU) is reported
+    `unavailable` with the reason and does not fail the build, unless --require-all.
+    """
     names = [t.strip() for t in targets.split(",") if t.strip()] if targets else None
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True
@@ -71,7 +82,14 @@ def build(
             )
         )
     out.print(_summary(results))
+    for r in results:
+        if r.plan:
+            out.print(f"[bold]{r.target}[/] plan:", highlight=False)
+            out.print_json(json.dumps(r.plan))
     errors = [r for r in results if r.outcome == "error"]
+    unavailable = [r for r in results if r.outcome == STATUS_UNAVAILABLE]
+    for r in unavailable:
+        err.print(f"[yellow]unavailable:[/] {r.target}: {r.message}", highlight=False, soft_wrap=True)
     failed = [r for r in results if r.validation == "failed"]
     for r in errors:
         err.print(f"[bold red]error:[/] {r.target}: {r.message}", highlight=False, soft_wrap=True)
@@ -80,6 +98,49 @@ def build(
     if failed:
         err.print(f"[bold red]error:[/] validation failed for {', '.join(r.target for r in failed)}")
         raise typer.Exit(ValidationFailed.exit_code)
+    if unavailable and require_all:
+        names = ", ".join(r.target for r in unavailable)
+        err.print(f"[bold red]error:[/] --require-all: {names} unavailable on this host")
+        raise typer.Exit(EngineError.exit_code)
+
+
+@app.command()
+def source(recipe: RecipeArg) -> None:
+    """Resolve and hash the recipe's source checkpoint; write its record (a DVC stage)."""
+    path = _run(lambda: prepare_source(recipe))
+    out.print(f"source record: {path}", highlight=False)
+
+
+@app.command()
+def reference(recipe: RecipeArg) -> None:
+    """Compute the transformers reference every target is validated against (a DVC stage)."""
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=err, transient=True) as progress:
+        path = _run(lambda: prepare_reference(recipe, reporter=_RichReporter(progress)))
+    out.print(f"reference: {path}", highlight=False)
+
+
+@app.command()
+def report(recipe: RecipeArg, as_json: JsonOpt = False) -> None:
+    """Every built target's validation numbers in one table (and the DVC size-vs-ΔPPL data)."""
+    rows = _run(lambda: write_report(recipe))
+    if as_json:
+        out.print_json(json.dumps(rows))
+        return
+    table = Table(title=f"report {recipe}")
+    for col in ("target", "engine", "quant", "status", "MiB", "ΔPPL %", "KLD", "tok/s"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r["target"],
+            r["engine"],
+            r["quant"],
+            r["status"] or "-",
+            _fmt(r["size_mib"], ".1f"),
+            _fmt(r["ppl_delta_pct"], "+.2f"),
+            _fmt(r["kld_mean"], ".4f"),
+            _fmt(r["tokens_per_s"], ".0f"),
+        )
+    out.print(table)
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -93,6 +154,7 @@ def _summary(results: list[TargetResult]) -> Table:
     for r in results:
         m = r.metrics
         colour = {"passed": "green", "failed": "red"}.get(r.validation or "", "yellow")
+        note = "" if r.outcome == STATUS_UNAVAILABLE else (r.message or "")  # said in full below
         table.add_row(
             r.target,
             r.outcome,
@@ -102,7 +164,7 @@ def _summary(results: list[TargetResult]) -> Table:
             _fmt(m.get("token_agreement"), ".2f"),
             _fmt(m.get("tokens_per_s"), ".0f"),
             f"{r.seconds:.0f}s",
-            r.message or "",
+            note,
         )
     return table
 
@@ -234,16 +296,28 @@ def registry_resolve(
     gpu_arch: Annotated[str | None, typer.Option("--gpu-arch", help="e.g. sm90")] = None,
     stage: Annotated[str | None, typer.Option("--stage", help="dev, staging or prod")] = None,
     all_: Annotated[bool, typer.Option("--all", help="Also match artifacts that did not pass.")] = False,
+    engine_version: Annotated[
+        str | None, typer.Option(help="Version of the engine that built it, e.g. TensorRT-LLM 1.2.0.")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Exactly one artifact: path, files with sha256, serve command."""
-    _emit(_run(lambda: _registry().resolve(model, engine, quant, gpu_arch, stage, all_)), as_json)
+    """Exactly one artifact: path or DVC location, files with sha256, serve command."""
+    _emit(
+        _run(lambda: _registry().resolve(model, engine, quant, gpu_arch, stage, all_, engine_version)),
+        as_json,
+    )
 
 
 @registry_app.command("verify")
-def registry_verify(ref: RefArg, as_json: JsonOpt = False) -> None:
+def registry_verify(
+    ref: Annotated[str, typer.Argument(help="RECIPE/TARGET, or the directory of a fetched artifact.")],
+    manifest_sha256: Annotated[
+        str | None, typer.Option(help="Expected manifest sha256 (from resolve) for a fetched directory.")
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Re-hash an artifact's files against its manifest; non-zero exit when anything differs."""
-    problems = _run(lambda: _registry().verify(ref))
+    problems = _run(lambda: _registry().verify(ref, manifest_sha256))
     _emit({"artifact": ref, "ok": not problems, "problems": problems}, as_json)
     if problems:
         raise typer.Exit(RegistryError.exit_code)

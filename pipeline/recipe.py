@@ -11,7 +11,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.constants import BUILTIN_TEXTS, GGUF_QUANTS, PACKAGED_SOURCE_CONFIGS
+from pipeline.constants import (
+    BUILTIN_TEXTS,
+    GGUF_QUANTS,
+    GPU_ARCHS,
+    KNOWN_HUB_CONFIGS,
+    PACKAGED_SOURCE_CONFIGS,
+)
 from pipeline.errors import RecipeError
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -138,6 +144,12 @@ class SglangServe(Strict):
     mem_fraction_static: float = Field(0.85, gt=0, le=1)
 
 
+class TrtllmServe(Strict):
+    """trtllm-serve knobs (engine shapes are fixed by the engine's profile)."""
+
+    kv_cache_free_gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
+
+
 class ServeSpec(Strict):
     """The serving knobs operators tune; every serve command in a manifest carries them.
 
@@ -151,6 +163,7 @@ class ServeSpec(Strict):
     llamacpp: LlamaCppServe = LlamaCppServe()
     vllm: VllmServe = VllmServe()
     sglang: SglangServe = SglangServe()
+    trtllm: TrtllmServe = TrtllmServe()
 
 
 class TargetSpec(Strict):
@@ -246,8 +259,139 @@ class GptqTarget(Int4Target):
     dampening_frac: float = Field(0.01, gt=0, lt=1)
 
 
+def _arch_number(arch: str) -> int:
+    return int(arch.removeprefix("sm"))
+
+
+def _check_arch(value: str) -> str:
+    if value not in GPU_ARCHS:
+        raise ValueError(f"unknown GPU architecture {value!r} (known: {', '.join(GPU_ARCHS)})")
+    return value
+
+
+class TrtllmPlugins(Strict):
+    """trtllm-build plugin switches (TensorRT-LLM 1.2 flag names; `auto` follows the dtype)."""
+
+    gpt_attention_plugin: Literal["auto", "float16", "bfloat16", "float32", "disable"] = "auto"
+    gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "disable"] = "auto"
+    context_fmha: bool = True
+    use_fp8_context_fmha: bool = False
+    remove_input_padding: bool = True
+    use_paged_context_fmha: bool = False
+
+
+class TrtllmProfile(Strict):
+    """The fixed shapes a TensorRT-LLM engine is compiled for.
+
+    ```yaml
+    profile: {max_batch_size: 8, max_input_len: 2048, max_seq_len: 4096, max_num_tokens: 8192}
+    ```
+    """
+
+    max_batch_size: int = Field(8, ge=1, le=4096)
+    max_input_len: int = Field(1024, ge=1)
+    max_seq_len: int = Field(2048, ge=2)
+    max_num_tokens: int = Field(8192, ge=1)
+    opt_num_tokens: int | None = Field(None, ge=1)
+    kv_cache_type: Literal["paged", "continuous", "disabled"] = "paged"
+    plugins: TrtllmPlugins = TrtllmPlugins()
+
+    @model_validator(mode="after")
+    def _shapes(self) -> TrtllmProfile:
+        if self.max_input_len > self.max_seq_len:
+            raise ValueError(f"max_input_len {self.max_input_len} > max_seq_len {self.max_seq_len}")
+        if self.opt_num_tokens is not None and self.opt_num_tokens > self.max_num_tokens:
+            raise ValueError(f"opt_num_tokens {self.opt_num_tokens} > max_num_tokens {self.max_num_tokens}")
+        if self.max_num_tokens < self.max_input_len and not self.plugins.use_paged_context_fmha:
+            raise ValueError(
+                f"max_num_tokens {self.max_num_tokens} < max_input_len {self.max_input_len}: one "
+                "prompt must fit in a step unless plugins.use_paged_context_fmha (context chunking)"
+            )
+        return self
+
+
+class TrtllmTarget(TargetSpec):
+    """A TensorRT-LLM 1.2 engine for one GPU architecture and one fixed profile: a ModelOpt
+    checkpoint step (FP16 unquantized, INT8 SmoothQuant or weight-only, FP8), then `trtllm-build`.
+
+    ```yaml
+    trtllm-fp8: {kind: trtllm, quant: fp8, gpu_arch: sm90, gpu_memory_gib: 80,
+                 profile: {max_batch_size: 8, max_input_len: 2048, max_seq_len: 4096},
+                 gates: {max_ppl_delta_pct: 2, max_kld_mean: 0.02}}
+    ```
+    """
+
+    kind: Literal["trtllm"]
+    quant: Literal["fp16", "bf16", "int8_sq", "int8_wo", "fp8"]
+    gpu_arch: str
+    gpu_memory_gib: float | None = Field(None, gt=0)  # checked against weights + KV cache
+    tp_size: int = Field(1, ge=1, le=64)
+    dtype: Literal["float16", "bfloat16"] = "float16"  # activations and unquantized layers
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    smoothquant_alpha: float = Field(0.5, ge=0, le=1)  # int8_sq only
+    gather_context_logits: bool = True  # validation's perplexity needs it; costs engine memory
+    profile: TrtllmProfile = TrtllmProfile()
+    calibration: CalibrationOverride = CalibrationOverride()
+
+    _arch = field_validator("gpu_arch")(_check_arch)
+
+    @model_validator(mode="after")
+    def _arch_supports_quant(self) -> TrtllmTarget:
+        fp8_used = (
+            self.quant == "fp8" or self.kv_cache_dtype == "fp8" or self.profile.plugins.use_fp8_context_fmha
+        )
+        if fp8_used and _arch_number(self.gpu_arch) < 89:
+            raise ValueError(f"FP8 needs sm89 (Ada) or newer; gpu_arch is {self.gpu_arch}")
+        if self.profile.plugins.use_fp8_context_fmha and self.quant != "fp8":
+            raise ValueError("plugins.use_fp8_context_fmha needs quant: fp8")
+        if self.quant == "bf16" and _arch_number(self.gpu_arch) < 80:
+            raise ValueError(f"bfloat16 needs sm80 or newer; gpu_arch is {self.gpu_arch}")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.quant in ("int8_sq", "fp8") or self.kv_cache_dtype != "auto"
+
+
+class ModeloptTarget(TargetSpec):
+    """A ModelOpt unified HF checkpoint (safetensors + hf_quant_config.json) that TensorRT-LLM's
+    PyTorch backend (`trtllm-serve`), vLLM and SGLang load: the path that outlives TRT engines.
+
+    ```yaml
+    modelopt-fp8: {kind: modelopt, quant: fp8, gates: {max_ppl_delta_pct: 2, max_kld_mean: 0.02}}
+    ```
+    """
+
+    kind: Literal["modelopt"]
+    quant: Literal["fp8", "int4_awq"]
+    dtype: Literal["float16", "bfloat16"] = "bfloat16"  # unquantized layers and activations
+    group_size: Literal[64, 128] | None = None  # int4_awq only (default 128)
+    serve_gpu_arch: str | None = None  # where it will be served (FP8 needs sm89+)
+    calibration: CalibrationOverride = CalibrationOverride()
+
+    @model_validator(mode="after")
+    def _arch(self) -> ModeloptTarget:
+        if self.group_size is not None and self.quant != "int4_awq":
+            raise ValueError("group_size only applies to quant: int4_awq")
+        if self.serve_gpu_arch is not None:
+            _check_arch(self.serve_gpu_arch)
+            if self.quant == "fp8" and _arch_number(self.serve_gpu_arch) < 89:
+                raise ValueError(f"FP8 needs sm89 (Ada) or newer; serve_gpu_arch is {self.serve_gpu_arch}")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+
 # kind -> spec class. A new target family adds its class here and a builder in pipeline/targets/.
-TARGET_KINDS: dict[str, type[TargetSpec]] = {"gguf": GgufTarget, "awq": AwqTarget, "gptq": GptqTarget}
+TARGET_KINDS: dict[str, type[TargetSpec]] = {
+    "gguf": GgufTarget,
+    "awq": AwqTarget,
+    "gptq": GptqTarget,
+    "trtllm": TrtllmTarget,
+    "modelopt": ModeloptTarget,
+}
 
 
 class Recipe(Strict):
@@ -357,13 +501,64 @@ def load_recipe(path: str | Path) -> LoadedRecipe:
     loaded = LoadedRecipe(recipe=recipe, path=path.resolve(), sha256=hashlib.sha256(raw).hexdigest())
     _check_files(loaded)
     _check_group_sizes(loaded)
+    _check_trtllm_targets(loaded)
     return loaded
+
+
+def _check_trtllm_targets(loaded: LoadedRecipe) -> None:
+    """Tensor parallelism must split the attention heads; weights plus a full KV cache for the
+    profile must fit the stated GPU memory. Skipped when the model config is not known here."""
+    engines = {n: t for n, t in loaded.recipe.targets.items() if isinstance(t, TrtllmTarget)}
+    config = source_config(loaded) if engines else None
+    if not config:
+        return
+    for name, spec in engines.items():
+        where = f"{loaded.path}: targets.{name}"
+        heads = config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads", heads)
+        if heads % spec.tp_size or kv_heads % spec.tp_size:
+            raise RecipeError(
+                f"{where}.tp_size: {spec.tp_size} does not divide the model's {heads} attention "
+                f"heads and {kv_heads} KV heads"
+            )
+        if spec.gpu_memory_gib is not None:
+            need = trtllm_memory_estimate(config, spec)
+            usable = spec.gpu_memory_gib * 0.9  # what TensorRT-LLM leaves itself by default
+            if need["total_gib"] > usable:
+                raise RecipeError(
+                    f"{where}.profile: needs ~{need['total_gib']:.1f} GiB per GPU (weights "
+                    f"{need['weights_gib']:.1f} + KV cache {need['kv_cache_gib']:.1f} for "
+                    f"{spec.profile.max_batch_size} x {spec.profile.max_seq_len} tokens) but "
+                    f"gpu_memory_gib {spec.gpu_memory_gib} leaves {usable:.1f}; lower "
+                    "max_batch_size or max_seq_len, or raise tp_size"
+                )
+
+
+def trtllm_memory_estimate(config: dict[str, Any], spec: TrtllmTarget) -> dict[str, float]:
+    """GiB per GPU: weights at the target's precision and a KV cache for the whole profile."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim", hidden // heads)
+    per_layer = (
+        hidden * heads * head_dim * 2  # q and o projections
+        + hidden * kv_heads * head_dim * 2  # k and v
+        + hidden * config["intermediate_size"] * 3  # gate, up, down
+    )
+    embeddings = config["vocab_size"] * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    weight_bytes = {"fp16": 2, "bf16": 2, "int8_sq": 1, "int8_wo": 1, "fp8": 1}[spec.quant]
+    weights = (per_layer * layers * weight_bytes + embeddings * 2) / spec.tp_size
+    kv_bytes = 1 if spec.kv_cache_dtype in ("fp8", "int8") else 2
+    p = spec.profile
+    kv = 2 * layers * kv_heads * head_dim * kv_bytes * p.max_batch_size * p.max_seq_len / spec.tp_size
+    gib = 2**30
+    return {"weights_gib": weights / gib, "kv_cache_gib": kv / gib, "total_gib": (weights + kv) / gib}
 
 
 def _check_group_sizes(loaded: LoadedRecipe) -> None:
     """A group size must divide every quantized layer's input size: say so now, not after hours
     of calibration. Skipped when the model config is not on this machine yet (hub, not cached)."""
-    if not any(getattr(t, "group_size", -1) > 0 for t in loaded.recipe.targets.values()):
+    if not any((getattr(t, "group_size", None) or -1) > 0 for t in loaded.recipe.targets.values()):
         return
     config = source_config(loaded)
     hidden = (config or {}).get("hidden_size")
@@ -376,7 +571,7 @@ def _check_group_sizes(loaded: LoadedRecipe) -> None:
         "heads x head_dim": heads * config.get("head_dim", hidden // heads),
     }
     for name, spec in loaded.recipe.targets.items():
-        group = getattr(spec, "group_size", -1)
+        group = getattr(spec, "group_size", None) or -1
         bad = {k: v for k, v in sizes.items() if group > 0 and v % group}
         if bad:
             why = ", ".join(f"{k} {v}" for k, v in bad.items())
@@ -398,6 +593,8 @@ def source_config(loaded: LoadedRecipe) -> dict[str, Any] | None:
 
         found = try_to_load_from_cache(src.repo, "config.json", revision=src.revision)
         path = Path(found) if isinstance(found, str) else None
+        if path is None and src.repo in KNOWN_HUB_CONFIGS:
+            return KNOWN_HUB_CONFIGS[src.repo]
     elif src.package:
         return PACKAGED_SOURCE_CONFIGS[src.package]
     if path is None or not path.is_file():

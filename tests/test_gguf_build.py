@@ -21,7 +21,7 @@ from pipeline.constants import MANIFEST_NAME, STAGING_PREFIX
 from pipeline.errors import DiskFullError
 from pipeline.hashing import file_sha256
 from pipeline.registry import Registry
-from tests.conftest import read_json, write_recipe
+from tests.conftest import read_json, serve_and_ask, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -89,46 +89,11 @@ def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_art
     assert {a["target"] for a in json.loads(listed.output)} == {"gguf-f16", "gguf-q4_0"}
     shown = CliRunner().invoke(app, ["show", "tiny/gguf-f16", "--json"])
     assert json.loads(shown.output)["files"] == f16["files"]
-    answer = _serve_and_ask(hit["serve"]["command"], hit["path"])
+    answer = serve_and_ask(hit["serve"]["command"], hit["path"])
     assert answer["object"] == "text_completion" and answer["choices"][0]["finish_reason"] in (
         "length",
         "stop",
     )
-
-
-def _serve_and_ask(command: str, artifact_dir: str) -> dict:
-    """What a deploy job does: start the resolved serve command, ask once, stop it."""
-    import shlex
-    import socket
-    import time
-    import urllib.request
-
-    argv = shlex.split(command.replace("${ARTIFACT_DIR}", artifact_dir))
-    assert argv[0] == "python" and "--n_ctx" in argv and "--n_gpu_layers" in argv
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv[0], argv[argv.index("--port") + 1] = sys.executable, str(port)
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, "serve command exited"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "server not ready"
-                time.sleep(0.5)
-        body = json.dumps({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=60) as r:
-            return json.loads(r.read())
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 def _crash_on_validate(tmp_path: Path) -> str:

@@ -15,7 +15,16 @@ from pipeline.errors import RegistryError
 from pipeline.registry import Registry
 
 
-def _artifact(root: Path, recipe: str, target: str, engine: str, quant: str, status: str = "passed") -> Path:
+def _artifact(
+    root: Path,
+    recipe: str,
+    target: str,
+    engine: str,
+    quant: str,
+    status: str = "passed",
+    gpu_arch: str | None = None,
+    toolchain: dict[str, str] | None = None,
+) -> Path:
     """A real artifact directory: a weights file plus a manifest with its checksums."""
     d = root / recipe / target
     d.mkdir(parents=True, exist_ok=True)
@@ -29,7 +38,8 @@ def _artifact(root: Path, recipe: str, target: str, engine: str, quant: str, sta
         "format": "gguf",
         "quant": quant,
         "files": file_entries(d),
-        "build": {"gpu_arch": None},
+        "toolchain": toolchain or {},
+        "build": {"gpu_arch": gpu_arch},
         "validation": {"status": status, "reason": None, "metrics": {"ppl_delta_pct": 1.0}},
         "serve": {"command": "python -m llama_cpp.server --model ${ARTIFACT_DIR}/model.bin"},
     }
@@ -136,3 +146,33 @@ def test_parallel_writers(tmp_path: Path) -> None:
 def test_bad_reference(registry: Registry) -> None:
     with pytest.raises(RegistryError, match="must be RECIPE/TARGET"):
         registry.show("nope")
+
+
+def test_engines_resolve_only_for_the_architecture_and_version_that_built_them(tmp_path: Path) -> None:
+    """Index entries for two TensorRT-LLM engines (manifests written here: the registry's
+    matching is under test, not an engine)."""
+    root = tmp_path / "artifacts"
+    for target, arch, version in (("trtllm-fp8", "sm90", "1.2.0"), ("trtllm-fp8-ada", "sm89", "1.2.1")):
+        _artifact(
+            root,
+            "q",
+            target,
+            "tensorrt-llm",
+            "trtllm-fp8",
+            gpu_arch=arch,
+            toolchain={"tensorrt_llm": version},
+        )
+    reg = Registry(root)
+    reg.rebuild()
+    with pytest.raises(RegistryError, match="ambiguous: q/trtllm-fp8, q/trtllm-fp8-ada; add --gpu-arch"):
+        reg.resolve("q", "tensorrt-llm", "trtllm-fp8")
+    assert reg.resolve("q", "tensorrt-llm", "trtllm-fp8", gpu_arch="sm90")["target"] == "trtllm-fp8"
+    with pytest.raises(
+        RegistryError,
+        match=r"built for sm89 \(q/trtllm-fp8-ada\), sm90 \(q/trtllm-fp8\), and an engine only runs",
+    ):
+        reg.resolve("q", "tensorrt-llm", "trtllm-fp8", gpu_arch="sm80")
+    hit = reg.resolve("q", "tensorrt-llm", "trtllm-fp8", engine_version="1.2.1")
+    assert hit["gpu_arch"] == "sm89"
+    with pytest.raises(RegistryError, match=r"nothing resolves .* engine_version=1\.3\.0"):
+        reg.resolve("q", "tensorrt-llm", "trtllm-fp8", gpu_arch="sm90", engine_version="1.3.0")

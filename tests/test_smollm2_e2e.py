@@ -1,34 +1,80 @@
-"""The default recipe end to end through the real CLI: SmolLM2 -> four GGUF artifacts validated in
-llama.cpp and AWQ + GPTQ checkpoints validated (and served once) in vLLM."""
+"""The default recipe end to end through `dvc repro` in a git + DVC copy of this repository:
+SmolLM2 -> four GGUF artifacts validated in llama.cpp and AWQ + GPTQ checkpoints validated (and
+served once) in vLLM; then what a build server and a deploy job do with them: a no-op repro,
+one changed target, metrics, an interrupted stage, push, promote, fetch elsewhere, verify, serve.
+
+The tests of this module run in order on one workspace (each builds on the previous state).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from pipeline.constants import MANIFEST_NAME
-from tests.conftest import REPO, read_json
+from tests.conftest import REPO, read_json, serve_and_ask
 
 pytestmark = pytest.mark.slow
 TARGETS = ("gguf-f16", "gguf-q8_0", "gguf-q4_0", "gguf-iq4_xs", "awq", "gptq")
+RECIPE = "recipes/smollm2-135m.yaml"
+BIN = Path(sys.executable).parent
 
 
-def _cli(*args: str, root: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PIPELINE_ARTIFACTS": str(root)}
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, env=env
-    )
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PIPELINE_ARTIFACTS"}  # ./artifacts
+    env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
+    return env
 
 
-def test_default_recipe_builds_and_validates(_isolated_artifacts: Path) -> None:
-    res = _cli("build", str(REPO / "recipes" / "smollm2-135m.yaml"), root=_isolated_artifacts)
-    assert res.returncode == 0, res.stdout + res.stderr
-    recipe_dir = _isolated_artifacts / "smollm2-135m"
+def _run(cwd: Path, *argv: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, env=_env())
+    if ok:
+        assert res.returncode == 0, f"{' '.join(argv)}:\n{res.stdout}\n{res.stderr}"
+    return res
+
+
+def _ran(output: str) -> list[str]:
+    return re.findall(r"Running stage '([^']+)'", output)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This repository's files (as git sees them, committed or not) in a fresh git repo."""
+    ws = tmp_path_factory.mktemp("workspace")
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.decode()
+    for rel in filter(None, listed.split("\0")):
+        src = REPO / rel
+        if src.is_file() and not rel.startswith("artifacts/"):
+            (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, ws / rel)
+    for argv in (
+        ["git", "init", "-q", "-b", "main"],
+        ["git", "config", "user.email", "ci@example.invalid"],
+        ["git", "config", "user.name", "ci"],
+        ["git", "add", "-A"],
+        ["git", "commit", "-q", "-m", "workspace"],
+    ):
+        _run(ws, *argv)
+    return ws
+
+
+def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> None:
+    res = _run(workspace, "dvc", "repro")
+    ran = _ran(res.stdout)
+    assert {f"smollm2-135m@smollm2-135m-{t}" for t in TARGETS} <= set(ran)
+    assert ran[:2] == ["source@smollm2-135m", "reference@smollm2-135m"]
+    recipe_dir = workspace / "artifacts" / "smollm2-135m"
     everything = {t: read_json(recipe_dir / t / MANIFEST_NAME) for t in TARGETS}
     for target, m in everything.items():
         assert m["validation"]["status"] == "passed", (target, m["validation"]["reason"])
@@ -60,7 +106,143 @@ def test_default_recipe_builds_and_validates(_isolated_artifacts: Path) -> None:
         assert 0 < v["metrics"]["ppl_delta_pct"] < 30 and v["metrics"]["ppl_engine_ref"] > 0
         assert any(f["path"] == "model.safetensors" for f in m["files"])
 
-    listed = _cli("list", "--json", root=_isolated_artifacts)
+    listed = _run(workspace, "pipeline", "list", "--json")
     assert {a["target"] for a in json.loads(listed.stdout)} == set(TARGETS)
-    again = _cli("build", str(REPO / "recipes" / "smollm2-135m.yaml"), root=_isolated_artifacts)
-    assert again.returncode == 0 and again.stdout.count("up-to-date") == len(TARGETS)
+    # The CLI front door agrees with DVC's: everything is up to date.
+    again = _run(workspace, "pipeline", "build", RECIPE)
+    assert again.stdout.count("up-to-date") == len(TARGETS)
+
+
+def test_second_repro_does_nothing(workspace: Path) -> None:
+    res = _run(workspace, "dvc", "repro")
+    assert _ran(res.stdout) == [] and "Data and pipelines are up to date." in res.stdout
+
+
+def test_metrics_show_lists_every_artifact(workspace: Path) -> None:
+    shown = json.loads(_run(workspace, "dvc", "metrics", "show", "--json").stdout)
+    files = next(iter(shown.values()))["data"]
+    for t in TARGETS:
+        data = files[f"artifacts/smollm2-135m/.metrics/{t}.json"]["data"]
+        assert {"ppl_delta_pct", "kld_mean", "size_mib", "tokens_per_s"} <= data.keys()
+        assert data["status"] == "passed" and data["size_mib"] > 50
+    plots = json.loads(_run(workspace, "dvc", "plots", "show", "--json").stdout)
+    points = plots["data"]["artifacts/smollm2-135m/.report/size-vs-ppl.json"][0]["content"]["data"]["values"]
+    assert sorted(p["target"] for p in points) == sorted(TARGETS)
+
+
+def test_changing_one_target_reruns_only_it(workspace: Path) -> None:
+    recipe = workspace / RECIPE
+    text = recipe.read_text()
+    assert "max_ppl_delta_pct: 2.0, max_kld_mean: 0.01" in text
+    recipe.write_text(
+        text.replace(
+            "max_ppl_delta_pct: 2.0, max_kld_mean: 0.01", "max_ppl_delta_pct: 2.5, max_kld_mean: 0.01"
+        )
+    )
+    before = {t: read_json(workspace / "artifacts/smollm2-135m" / t / MANIFEST_NAME) for t in TARGETS}
+    res = _run(workspace, "dvc", "repro")
+    assert _ran(res.stdout) == ["smollm2-135m@smollm2-135m-gguf-q8_0", "report@smollm2-135m"]
+    after = {t: read_json(workspace / "artifacts/smollm2-135m" / t / MANIFEST_NAME) for t in TARGETS}
+    assert after["gguf-q8_0"]["build"]["inputs_sha256"] != before["gguf-q8_0"]["build"]["inputs_sha256"]
+    assert after["gguf-q8_0"]["build"]["spec"] is not None
+    assert {t for t in TARGETS if after[t] != before[t]} == {"gguf-q8_0"}
+    _run(workspace, "git", "commit", "-q", "-am", "q8_0 gate; dvc.lock")
+
+
+def test_interrupted_stage_loses_nothing(workspace: Path) -> None:
+    artifact = workspace / "artifacts/smollm2-135m/gguf-q4_0"
+    before = read_json(artifact / MANIFEST_NAME)
+    recipe = workspace / RECIPE
+    text = recipe.read_text()
+    old_gate = "max_ppl_delta_pct: 35.0, max_kld_mean: 0.5"
+    recipe.write_text(text.replace(old_gate, "max_ppl_delta_pct: 36.0, max_kld_mean: 0.5"))
+    proc = subprocess.Popen(
+        ["dvc", "repro", "--single-item", "smollm2-135m@smollm2-135m-gguf-q4_0"],
+        cwd=workspace,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list((workspace / "artifacts/smollm2-135m").glob(".staging-gguf-q4_0-*")):
+        assert time.monotonic() < deadline and proc.poll() is None, "the stage never started building"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(120)
+    assert proc.returncode != 0
+    assert read_json(artifact / MANIFEST_NAME) == before
+    assert not list((workspace / "artifacts/smollm2-135m").glob(".staging-*"))
+    recipe.write_text(text)
+    assert _run(workspace, "pipeline", "registry", "verify", "smollm2-135m/gguf-q4_0").returncode == 0
+    status = _run(workspace, "dvc", "status", "--json")
+    assert json.loads(status.stdout) == {}, status.stdout
+
+
+def test_push_promote_then_a_deploy_job_fetches_verifies_and_serves(workspace: Path, tmp_path: Path) -> None:
+    remote = tmp_path / "dvc-remote"
+    _run(workspace, "dvc", "remote", "add", "-d", "local", str(remote))
+    _run(workspace, "git", "commit", "-q", "-am", "DVC remote")
+    _run(workspace, "dvc", "push")
+    promoted = json.loads(
+        _run(
+            workspace,
+            "pipeline",
+            "registry",
+            "promote",
+            "smollm2-135m/gguf-q4_0",
+            "--stage",
+            "prod",
+            "--json",
+        ).stdout
+    )
+    assert promoted["gto_tag"] == "smollm2-135m-gguf-q4_0#prod#1"
+
+    hit = json.loads(
+        _run(
+            workspace,
+            "pipeline",
+            "registry",
+            "resolve",
+            "--model",
+            "smollm2-135m",
+            "--engine",
+            "llama.cpp",
+            "--quant",
+            "Q4_0",
+            "--stage",
+            "prod",
+            "--json",
+        ).stdout
+    )
+    dvc = hit["dvc"]
+    assert dvc["lock_committed"] and dvc["path"] == "artifacts/smollm2-135m/gguf-q4_0"
+    assert dvc["artifact"] == "smollm2-135m-gguf-q4_0"
+
+    # The deploy job: another directory, nothing but the resolve answer and the DVC remote.
+    deploy = tmp_path / "deploy"
+    deploy.mkdir()
+    _run(deploy, "dvc", "get", dvc["repo"], dvc["path"], "--rev", dvc["rev"], "-o", "by-path")
+    _run(deploy, "dvc", "artifacts", "get", dvc["repo"], dvc["artifact"], "--stage", "prod", "-o", "by-stage")
+    for fetched in ("by-path", "by-stage"):
+        verified = _run(
+            deploy,
+            "pipeline",
+            "registry",
+            "verify",
+            fetched,
+            "--manifest-sha256",
+            hit["manifest_sha256"],
+            "--json",
+        )
+        assert json.loads(verified.stdout)["ok"]
+    # A flipped byte in the fetched copy is caught.
+    gguf = deploy / "by-path" / "model.gguf"
+    data = bytearray(gguf.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    gguf.write_bytes(bytes(data))
+    bad = _run(deploy, "pipeline", "registry", "verify", "by-path", "--json", ok=False)
+    assert bad.returncode != 0 and "model.gguf: checksum mismatch" in bad.stdout
+
+    answer = serve_and_ask(hit["serve"]["command"], str(deploy / "by-stage"))
+    assert answer["choices"][0]["text"].strip()

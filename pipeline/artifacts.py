@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeline.constants import (
     CACHE_DIRNAME,
+    GPU_METRICS_DIRNAME,
     LOCKS_DIRNAME,
     LOGS_DIRNAME,
     MANIFEST_NAME,
@@ -60,8 +61,9 @@ class Layout:
     def reference_dir(self) -> Path:
         return self.recipe_dir / REFERENCE_DIRNAME
 
-    def metrics_path(self, target: str) -> Path:
-        return self.metrics_dir / f"{target}.json"
+    def metrics_path(self, target: str, gpu_host: bool = False) -> Path:
+        """`dvc metrics` file of a target; GPU-host-only targets have their own directory."""
+        return self.recipe_dir / (GPU_METRICS_DIRNAME if gpu_host else METRICS_DIRNAME) / f"{target}.json"
 
     @property
     def metrics_dir(self) -> Path:

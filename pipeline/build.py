@@ -122,7 +122,7 @@ def prepare_reference(
     return ctx.reference()[1]
 
 
-def write_metrics(layout: Layout, target: str, manifest: dict[str, Any]) -> None:
+def write_metrics(layout: Layout, target: str, manifest: dict[str, Any], gpu_host: bool = False) -> None:
     """One target's validation numbers, for `dvc metrics show` and the recipe's report."""
     validation = manifest.get("validation", {})
     m = validation.get("metrics", {})
@@ -134,7 +134,7 @@ def write_metrics(layout: Layout, target: str, manifest: dict[str, Any]) -> None
         **{k: m.get(k) for k in ("ppl", "ppl_ref", "ppl_delta_pct", "kld_mean", "token_agreement")},
         **{k: m.get(k) for k in ("top1_agreement", "tokens_per_s")},
     }
-    write_json_atomic(layout.metrics_path(target), record)
+    write_json_atomic(layout.metrics_path(target, gpu_host), record)
 
 
 def write_report(recipe_path: str | Path, root: Path | None = None) -> list[dict[str, Any]]:
@@ -143,9 +143,9 @@ def write_report(recipe_path: str | Path, root: Path | None = None) -> list[dict
     layout = Layout(root or artifacts_root(), loaded.recipe.name)
     rows = []
     for target in loaded.recipe.targets:
-        path = layout.metrics_path(target)
-        if path.is_file():
-            rows.append({"target": target, **json.loads(path.read_text())})
+        for path in (layout.metrics_path(target), layout.metrics_path(target, gpu_host=True)):
+            if path.is_file():
+                rows.append({"target": target, **json.loads(path.read_text())})
     write_json_atomic(layout.report_path, rows)
     return rows
 
@@ -195,7 +195,7 @@ def _build_target_locked(ctx: BuildContext, name: str, spec: TargetSpec, force: 
         old = read_manifest(final)
         if old.get("build", {}).get("inputs_sha256") == inputs:
             Registry(ctx.layout.root).register(final)
-            write_metrics(ctx.layout, name, old)
+            write_metrics(ctx.layout, name, old, builder.gpu_host)
             return _result(name, "up-to-date", final, old)
 
     t0 = time.perf_counter()
@@ -234,7 +234,7 @@ def _build_target_locked(ctx: BuildContext, name: str, spec: TargetSpec, force: 
         write_manifest(staging, manifest)
         publish(staging, final)
         Registry(ctx.layout.root).register(final)
-        write_metrics(ctx.layout, name, manifest)
+        write_metrics(ctx.layout, name, manifest, builder.gpu_host)
     except OSError as exc:
         if is_disk_full(exc):
             raise DiskFullError(f"{name}: no space left on device in {ctx.layout.recipe_dir}") from None

@@ -21,6 +21,7 @@ SOURCE_RECORD = ".source.json"
 REFERENCE_DIRNAME = ".reference"
 REFERENCE_KEY_FILE = "inputs.sha256"  # in the reference dir: what it was computed from
 METRICS_DIRNAME = ".metrics"
+GPU_METRICS_DIRNAME = ".metrics-gpu"  # TensorRT-LLM targets (GPU host; see gpu/dvc.yaml)
 REPORT_DIRNAME = ".report"
 
 # GGUF quant name -> (step that makes it, converter --outtype or llama_ftype constant name).

@@ -167,3 +167,34 @@ def test_full_disk_is_one_clear_error(
         build_recipe(recipe)
     assert not (small_tmpfs / "tiny" / "gguf-f16").exists()
     assert _no_staging(small_tmpfs)
+
+
+def test_a_second_build_of_the_same_target_is_refused(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    """While one process builds a target, another build of it fails at once, naming the holder."""
+    import multiprocessing
+
+    from pipeline.artifacts import Layout, build_lock
+
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets={"gguf-f16": TARGETS["gguf-f16"]})
+    ready, release = multiprocessing.Event(), multiprocessing.Event()
+
+    def hold() -> None:
+        with build_lock(Layout(_isolated_artifacts, "tiny"), "gguf-f16"):
+            ready.set()
+            release.wait(60)
+
+    holder = multiprocessing.get_context("fork").Process(target=hold)
+    holder.start()
+    try:
+        assert ready.wait(30)
+        [result] = build_recipe(recipe, threads=2)
+        assert result.outcome == "error"
+        assert f"tiny/gguf-f16 is being built by another process (pid {holder.pid})" in (result.message or "")
+        assert not (_isolated_artifacts / "tiny" / "gguf-f16").exists()
+    finally:
+        release.set()
+        holder.join(30)
+    [again] = build_recipe(recipe, threads=2)
+    assert again.outcome == "built"

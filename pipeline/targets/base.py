@@ -194,6 +194,7 @@ class TargetBuilder(ABC):
     engine: ClassVar[str]  # the serving engine recorded in the manifest
     format: ClassVar[str]  # the artifact format recorded in the manifest
     environments: ClassVar[tuple[str, ...]]  # environments whose versions the manifest records
+    gpu_host: ClassVar[bool] = False  # built only on GPU hosts (its DVC stages: gpu/dvc.yaml)
 
     def unavailable(self, ctx: BuildContext, name: str, spec: TargetSpec) -> str | None:
         """Why this host cannot build the target (its engine or GPU is missing), or None."""

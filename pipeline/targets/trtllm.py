@@ -175,6 +175,7 @@ class TrtllmBuilder(TargetBuilder):
     engine = "tensorrt-llm"
     format = "tensorrt-engine"
     environments = (ENV_MODELOPT, ENV_TRTLLM)
+    gpu_host = True
 
     def unavailable(self, ctx: BuildContext, name: str, spec: TargetSpec) -> str | None:
         """Why this host cannot build the engine (None when it can). A TensorRT-LLM of another

@@ -1,0 +1,76 @@
+"""The DVC pipelines agree with the recipes: every target has exactly one stage, CPU-host stages
+never need a GPU engine, and DVC itself parses both files (the end-to-end `dvc repro` runs are in
+test_smollm2_e2e.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from pipeline.recipe import TrtllmTarget, load_recipe
+from tests.conftest import REPO
+
+PIPELINES = {"cpu": REPO / "dvc.yaml", "gpu": REPO / "gpu" / "dvc.yaml"}
+
+
+def _target_stages(path: Path, metrics_dir: str | None = None) -> dict[str, set[str]]:
+    """recipe -> targets that the file's matrix stages build (those writing `metrics_dir` only)."""
+    found: dict[str, set[str]] = {}
+    for stage in yaml.safe_load(path.read_text())["stages"].values():
+        matrix = stage.get("matrix")
+        if matrix and metrics_dir and metrics_dir not in str(stage.get("metrics")):
+            continue
+        if matrix:
+            for recipe in matrix["recipe"]:
+                found.setdefault(recipe, set()).update(matrix["target"])
+    return found
+
+
+def test_every_recipe_target_has_exactly_one_stage() -> None:
+    stages = {host: _target_stages(path) for host, path in PIPELINES.items()}
+    stages["gpu-engines"] = _target_stages(PIPELINES["gpu"], metrics_dir=".metrics-gpu")
+    recipes = set(stages["cpu"]) | set(stages["gpu"])
+    assert recipes == {p.stem for p in (REPO / "recipes").glob("*.yaml")}
+    for name in recipes:
+        loaded = load_recipe(REPO / "recipes" / f"{name}.yaml")
+        cpu, gpu = stages["cpu"].get(name, set()), stages["gpu"].get(name, set())
+        assert not cpu & gpu, f"{name}: {cpu & gpu} in both pipelines"
+        assert cpu | gpu == set(loaded.recipe.targets), f"{name}: stages differ from the recipe's targets"
+        # A plain `dvc repro` on a CPU host must not reach a TensorRT-LLM engine.
+        assert not {t for t in cpu if isinstance(loaded.recipe.targets[t], TrtllmTarget)}
+        engines = stages["gpu-engines"].get(name, set())
+        assert engines == {t for t, s in loaded.recipe.targets.items() if isinstance(s, TrtllmTarget)}
+        # Recipes in the CPU pipeline have its source/reference stages; DVC tracks `serve` and
+        # `calibration` as params of every target stage, so the recipe must spell them out.
+        data = yaml.safe_load((REPO / "recipes" / f"{name}.yaml").read_text())
+        assert {"serve", "calibration", "evaluation", "smoke", "source"} <= set(data)
+
+
+def test_declared_dvc_artifacts_are_cpu_pipeline_outputs() -> None:
+    pipeline = yaml.safe_load(PIPELINES["cpu"].read_text())
+    stages = _target_stages(PIPELINES["cpu"])
+    for name, art in pipeline["artifacts"].items():
+        recipe, target = art["path"].split("/")[1:3]
+        assert name == f"{recipe}-{target}" and target in stages[recipe]
+
+
+def test_dvc_parses_both_pipelines() -> None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    res = subprocess.run(
+        ["dvc", "stage", "list", "--all", "--name-only"], cwd=REPO, capture_output=True, text=True, env=env
+    )
+    assert res.returncode == 0, res.stderr
+    names = set(res.stdout.split())
+    assert "smollm2-135m@smollm2-135m-gguf-q4_0" in names
+    assert "gpu/dvc.yaml:qwen2-7b-engines@qwen2-7b-trtllm-fp8" in names
+    assert "gpu/dvc.yaml:smollm2-135m-engines@smollm2-135m-trtllm-int8" in names
+    dag = subprocess.run(["dvc", "dag", "--md"], cwd=REPO, capture_output=True, text=True, env=env)
+    assert dag.returncode == 0 and "reference@smollm2-135m" in dag.stdout
+    # The default recipe's lock file is committed: a newcomer's repro starts from it.
+    lock = yaml.safe_load((REPO / "dvc.lock").read_text())
+    cpu_stages = {n for n in names if not n.startswith("gpu/")}
+    assert set(lock["stages"]) == cpu_stages

@@ -14,8 +14,9 @@ build: setup  ## build + validate every target of the default recipe
 
 test: setup  ## lint + the test suite (includes a real end-to-end build)
 	$(BIN)/ruff check pipeline tests benchmarks
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=12
 
 bench: setup  ## benchmark script: prints numbers
 	$(BIN)/python benchmarks/bench_gguf.py
 	$(BIN)/python benchmarks/bench_int4.py
+	$(BIN)/python benchmarks/bench_trtllm_checkpoint.py --samples 16 --seq-len 256

@@ -3,6 +3,7 @@ checkpoint export), run exactly as `pipeline build` runs it: the target's own re
 (`checkpoint_request`), the `modelopt` worker (`run_worker`) and the config check
 (`check_checkpoint_config`). Prints seconds per phase and what the written config.json says.
 
+    python benchmarks/bench_trtllm_checkpoint.py                          # SmolLM2 (packaged), CPU
     python benchmarks/bench_trtllm_checkpoint.py --model-dir DIR           # an HF checkpoint
     python benchmarks/bench_trtllm_checkpoint.py --random-shape qwen2-7b   # GPU: made on the spot
 
@@ -85,6 +86,11 @@ def main() -> None:
     work = args.out
     work.mkdir(parents=True, exist_ok=True)
     model_dir = args.model_dir
+    if model_dir is None and not args.random_shape:
+        from pipeline.source import resolve_source
+
+        smollm2 = load_recipe(REPO / "recipes" / "smollm2-135m.yaml")
+        model_dir = resolve_source(smollm2, work / "source.log").path
     if args.random_shape:
         model_dir = work / f"random-{args.random_shape}"
         seconds = random_model(args.random_shape, args.tokenizer_dir, model_dir)

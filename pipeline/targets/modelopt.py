@@ -69,6 +69,7 @@ class ModeloptBuilder(TargetBuilder):
             )
         return {
             "quant": f"modelopt-{spec.quant}",
+            "engine": "vllm" if spec.quant in VLLM_LOADS else "tensorrt-llm",  # what serves it
             "quantization": {
                 "library": "nvidia-modelopt",
                 "library_version": result["toolchain"].get("nvidia-modelopt"),

@@ -26,7 +26,7 @@ from pipeline.constants import (
     STATUS_PASSED,
 )
 from pipeline.hashing import file_sha256, json_sha256
-from pipeline.recipe import Gates, LoadedRecipe, ServeSpec, TargetSpec
+from pipeline.recipe import CalibrationOverride, Gates, LoadedRecipe, ServeSpec, TargetSpec
 from pipeline.source import ResolvedSource
 from pipeline.workers import run_worker
 
@@ -158,6 +158,20 @@ def removed_on_error(path: Path) -> Iterator[None]:
         else:
             path.unlink(missing_ok=True)
         raise
+
+
+def calibration_request(loaded: LoadedRecipe, override: CalibrationOverride) -> dict[str, Any]:
+    """The calibration fields of a quantizer worker's request: the recipe's text with the
+    target's own sample count / length (no text: nothing to calibrate, e.g. an FP16 engine)."""
+    cal = loaded.recipe.calibration
+    if cal is None:
+        return {"text_path": None, "samples": 0, "seq_len": 0, "seed": 0}
+    return {
+        "text_path": str(loaded.text_path(cal.dataset)),
+        "samples": override.samples or cal.samples,
+        "seq_len": override.seq_len or cal.seq_len,
+        "seed": cal.seed,
+    }
 
 
 def scored_metrics(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:

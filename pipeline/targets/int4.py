@@ -25,6 +25,7 @@ from pipeline.recipe import AwqTarget, GptqTarget, Int4Target, LoadedRecipe, Ser
 from pipeline.targets.base import (
     BuildContext,
     TargetBuilder,
+    calibration_request,
     gate,
     register,
     removed_on_error,
@@ -84,9 +85,8 @@ class Int4Builder(TargetBuilder):
     def validate(self, ctx: BuildContext, name: str, spec: TargetSpec, artifact: Path) -> dict[str, Any]:
         assert isinstance(spec, Int4Target)
         ref, ref_dir = ctx.reference()
-        engine_ref = vllm_reference(ctx, ref, ref_dir, spec.dtype)
-        ctx.reporter.step(name, "validating in vLLM")
-        got = vllm_validate(ctx, name, str(artifact), ref, ref_dir, spec.dtype)
+        got, metrics, engine_ref = vllm_scores(ctx, name, artifact, spec.dtype)
+        metrics["startup_s"] = got["startup_s"]
         ctx.reporter.step(name, "serving once through vLLM's OpenAI server")
         serve = ctx.worker(
             ENV_VLLM,
@@ -102,13 +102,6 @@ class Int4Builder(TargetBuilder):
             name,
             timeout_s=SERVE_TIMEOUT_S,
         )
-        metrics = {
-            **scored_metrics(got, ref),
-            "ppl_engine_ref": engine_ref["ppl"],
-            "ppl_delta_vs_engine_ref_pct": (got["ppl"] / engine_ref["ppl"] - 1.0) * 100.0,
-            "kld_method": got["kld_method"],
-            "startup_s": got["startup_s"],
-        }
         status, reason = gate(metrics, spec.gates)
         if not serve["ok"]:
             status = STATUS_FAILED
@@ -153,8 +146,6 @@ class Int4Builder(TargetBuilder):
 
 def quantize_request(loaded: LoadedRecipe, spec: Int4Target, model_dir: Path, out: Path) -> dict[str, Any]:
     """The llm-compressor worker's request for one target (also what the benchmark runs)."""
-    cal = loaded.recipe.calibration
-    assert cal is not None  # the recipe schema requires it for int4 targets
     options: dict[str, Any] = {}
     if isinstance(spec, AwqTarget):
         options = {"n_grid": spec.n_grid}
@@ -166,10 +157,7 @@ def quantize_request(loaded: LoadedRecipe, spec: Int4Target, model_dir: Path, ou
         "model_dir": str(model_dir),
         "out_dir": str(out),
         "trust_remote_code": loaded.recipe.source.trust_remote_code,
-        "text_path": str(loaded.text_path(cal.dataset)),
-        "samples": spec.calibration.samples or cal.samples,
-        "seq_len": spec.calibration.seq_len or cal.seq_len,
-        "seed": cal.seed,
+        **calibration_request(loaded, spec.calibration),
         "bits": spec.bits,
         "group_size": spec.group_size,
         "symmetric": spec.symmetric,
@@ -221,6 +209,24 @@ def _sglang_validation(
     metrics = {**got, "ppl_ref": ref["ppl"], "ppl_delta_pct": (got["ppl"] / ref["ppl"] - 1.0) * 100.0}
     status, reason = gate(metrics, spec.gates)
     return {**record, "status": status, "reason": reason, "metrics": metrics}
+
+
+def vllm_scores(
+    ctx: BuildContext, name: str, artifact: Path, dtype: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Score a checkpoint in vLLM next to the unquantized source scored in vLLM too (engine
+    noise vs quantization loss): (vLLM's result, the manifest metrics, the engine reference)."""
+    ref, ref_dir = ctx.reference()
+    engine_ref = vllm_reference(ctx, ref, ref_dir, dtype)
+    ctx.reporter.step(name, "validating in vLLM")
+    got = vllm_validate(ctx, name, str(artifact), ref, ref_dir, dtype)
+    metrics = {
+        **scored_metrics(got, ref),
+        "ppl_engine_ref": engine_ref["ppl"],
+        "ppl_delta_vs_engine_ref_pct": (got["ppl"] / engine_ref["ppl"] - 1.0) * 100.0,
+        "kld_method": got["kld_method"],
+    }
+    return got, metrics, engine_ref
 
 
 def vllm_validate(

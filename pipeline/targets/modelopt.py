@@ -15,8 +15,8 @@ from typing import Any
 from pipeline.constants import ENV_MODELOPT, ENV_VLLM, STATUS_SKIPPED
 from pipeline.errors import BuildError
 from pipeline.recipe import LoadedRecipe, ModeloptTarget, ServeSpec, TargetSpec
-from pipeline.targets.base import BuildContext, TargetBuilder, gate, register, scored_metrics
-from pipeline.targets.int4 import vllm_reference, vllm_validate
+from pipeline.targets.base import BuildContext, TargetBuilder, calibration_request, gate, register
+from pipeline.targets.int4 import vllm_scores
 
 MODELOPT = "pipeline.engines.modelopt"
 CHECKPOINT_TIMEOUT_S = 6 * 3600
@@ -28,8 +28,6 @@ def hf_checkpoint_request(
     loaded: LoadedRecipe, spec: ModeloptTarget, model_dir: Path, out: Path
 ) -> dict[str, Any]:
     """The ModelOpt worker's request for one unified HF checkpoint."""
-    cal = loaded.recipe.calibration
-    assert cal is not None  # the recipe schema requires it
     return {
         "op": "checkpoint",
         "format": "hf",
@@ -42,10 +40,7 @@ def hf_checkpoint_request(
         "kv_cache_dtype": "auto",
         "tp_size": 1,
         "smoothquant_alpha": 0.5,
-        "text_path": str(loaded.text_path(cal.dataset)),
-        "samples": spec.calibration.samples or cal.samples,
-        "seq_len": spec.calibration.seq_len or cal.seq_len,
-        "seed": cal.seed,
+        **calibration_request(loaded, spec.calibration),
     }
 
 
@@ -102,16 +97,8 @@ class ModeloptBuilder(TargetBuilder):
                 "engine": "vllm",
                 "metrics": {},
             }
-        ref, ref_dir = ctx.reference()
-        engine_ref = vllm_reference(ctx, ref, ref_dir, spec.dtype)
-        ctx.reporter.step(name, "validating in vLLM")
-        got = vllm_validate(ctx, name, str(artifact), ref, ref_dir, spec.dtype)
-        metrics = {
-            **scored_metrics(got, ref),
-            "ppl_engine_ref": engine_ref["ppl"],
-            "ppl_delta_vs_engine_ref_pct": (got["ppl"] / engine_ref["ppl"] - 1.0) * 100.0,
-            "kld_method": got["kld_method"],
-        }
+        ref, _ = ctx.reference()
+        got, metrics, _ = vllm_scores(ctx, name, artifact, spec.dtype)
         status, reason = gate(metrics, spec.gates)
         return {
             "status": status,

@@ -28,6 +28,7 @@ from pipeline.recipe import LoadedRecipe, ServeSpec, TargetSpec, TrtllmTarget
 from pipeline.targets.base import (
     BuildContext,
     TargetBuilder,
+    calibration_request,
     gate,
     register,
     removed_on_error,
@@ -64,7 +65,6 @@ def checkpoint_request(
     loaded: LoadedRecipe, spec: TrtllmTarget, model_dir: Path, out: Path
 ) -> dict[str, Any]:
     """The ModelOpt worker's request for one engine target's checkpoint."""
-    cal = loaded.recipe.calibration
     return {
         "op": "checkpoint",
         "format": "trtllm",
@@ -76,10 +76,7 @@ def checkpoint_request(
         "tp_size": spec.tp_size,
         "kv_cache_dtype": spec.kv_cache_dtype,
         "smoothquant_alpha": spec.smoothquant_alpha,
-        "text_path": str(loaded.text_path(cal.dataset)) if cal else None,
-        "samples": (spec.calibration.samples or cal.samples) if cal else 0,
-        "seq_len": (spec.calibration.seq_len or cal.seq_len) if cal else 0,
-        "seed": cal.seed if cal else 0,
+        **calibration_request(loaded, spec.calibration),
     }
 
 

@@ -60,23 +60,22 @@ def artifact_name(recipe: str, target: str) -> str:
 def dvc_location(artifact_dir: Path, recipe: str, target: str) -> dict[str, Any] | None:
     """How a deploy job elsewhere fetches this artifact with DVC, or None outside a workspace.
 
-    `lock_committed` says whether HEAD's dvc.lock is the one in the work tree: only then does
-    `rev` describe these bytes (commit dvc.lock and `dvc push` after a build).
+    `lock_committed` says whether HEAD's lock files are the ones in the work tree: only then does
+    `rev` describe these bytes (commit the lock files and `dvc push` after a build).
     """
     ws = find_workspace(artifact_dir)
     if ws is None:
         return None
     rel = artifact_dir.resolve().relative_to(ws.root).as_posix()
     rev = ws.git("rev-parse", "HEAD")
-    dirty = subprocess.run(
-        ["git", "diff", "--quiet", "HEAD", "--", "dvc.lock"], cwd=ws.root, capture_output=True
-    ).returncode
+    # every pipeline's lock file (dvc.lock, gpu/dvc.lock): modified or never committed
+    dirty = ws.git("status", "--porcelain", "--", ":(glob)**/dvc.lock")
     name = artifact_name(recipe, target)
     location = {
         "repo": ws.url,
         "rev": rev,
         "path": rel,
-        "lock_committed": dirty == 0,
+        "lock_committed": not dirty,
         "get": f"dvc get {ws.url} {rel} --rev {rev} -o {target}",
     }
     if name in ws.declared_artifacts():

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.constants import GGUF_QUANTS
-from pipeline.engines.scoring import common_prefix
+from pipeline.engines.scoring import common_prefix, window_scores
 from pipeline.workers import installed_versions, worker_main
 
 
@@ -176,11 +176,10 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         eval_s += time.perf_counter() - t1
         ours = np.array(llm.scores[: ctx - 1, :vocab], dtype=np.float64)
         theirs = np.array(ref_logits[c * ctx : (c + 1) * ctx - 1, :vocab], dtype=np.float64)
-        logq, logp = _log_softmax(ours), _log_softmax(theirs)
-        nxt = np.array(chunk[1:])
-        nll -= logq[np.arange(ctx - 1), nxt].sum()
-        kld += (np.exp(logp) * (logp - logq)).sum()
-        same_top += int((ours.argmax(1) == theirs.argmax(1)).sum())
+        w_nll, w_kld, w_top = window_scores(ours, theirs, chunk[1:])
+        nll += w_nll
+        kld += w_kld
+        same_top += w_top
         n_pred += ctx - 1
     ppl = float(np.exp(nll / n_pred))
 
@@ -227,13 +226,6 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         "tokenizer_prefix_match": tok_same / len(eval_ids),
         "generations": generations,
     }
-
-
-def _log_softmax(x: Any) -> Any:
-    import numpy as np
-
-    x = x - x.max(axis=1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
 
 
 if __name__ == "__main__":

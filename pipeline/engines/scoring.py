@@ -34,3 +34,22 @@ def kld_topk(p: Any, q_logprobs: dict[int, float]) -> float:
     if p_rest > 0:
         total += p_rest * (math.log(p_rest) - math.log(q_rest))
     return total
+
+
+def log_softmax(x: Any) -> Any:
+    """Row-wise log-softmax of a 2-D logits array."""
+    import numpy as np
+
+    x = x - x.max(axis=1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+
+
+def window_scores(ours: Any, theirs: Any, next_ids: list[int]) -> tuple[float, float, int]:
+    """One evaluation window, an engine's logits against the reference's (rows: positions, full
+    vocabulary): summed NLL of the next tokens, summed KL(reference || engine), top-1 matches."""
+    import numpy as np
+
+    logq, logp = log_softmax(ours), log_softmax(theirs)
+    nll = float(-logq[np.arange(len(next_ids)), np.array(next_ids)].sum())
+    kld = float((np.exp(logp) * (logp - logq)).sum())
+    return nll, kld, int((ours.argmax(1) == theirs.argmax(1)).sum())

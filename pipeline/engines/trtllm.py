@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.engines.scoring import common_prefix
+from pipeline.engines.scoring import common_prefix, window_scores
 from pipeline.workers import installed_versions, worker_main
 
 
@@ -101,11 +101,10 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         vocab = min(logits.shape[1], ref_logits.shape[1])
         ours = logits[: ctx - 1, :vocab].astype(np.float64)
         theirs = np.array(ref_logits[c * ctx : (c + 1) * ctx - 1, :vocab], dtype=np.float64)
-        logq, logp = _log_softmax(ours), _log_softmax(theirs)
-        nxt = np.array(window[1:])
-        nll -= logq[np.arange(ctx - 1), nxt].sum()
-        kld += (np.exp(logp) * (logp - logq)).sum()
-        same_top += int((ours.argmax(1) == theirs.argmax(1)).sum())
+        w_nll, w_kld, w_top = window_scores(ours, theirs, window[1:])
+        nll += w_nll
+        kld += w_kld
+        same_top += w_top
         n_pred += ctx - 1
     eval_s = time.perf_counter() - t1
 
@@ -151,13 +150,6 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         "generations": generations,
         "toolchain": _versions(),
     }
-
-
-def _log_softmax(x: Any) -> Any:
-    import numpy as np
-
-    m = x.max(axis=1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark: the TensorRT-LLM targets' checkpoint step (ModelOpt calibration + TensorRT-LLM
 checkpoint export), run exactly as `pipeline build` runs it: the target's own request
-(`checkpoint_request`), the `modelopt` worker (`run_worker`) and the config check
+(`TrtllmTarget.checkpoint_request`), the `modelopt` worker (`run_step`) and the config check
 (`check_checkpoint_config`). Prints seconds per phase and what the written config.json says.
 
     python benchmarks/bench_trtllm_checkpoint.py                          # SmolLM2 (packaged), CPU
@@ -29,9 +29,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.constants import ENV_MODELOPT, KNOWN_HUB_CONFIGS
-from pipeline.recipe import TrtllmTarget, load_recipe
-from pipeline.targets.trtllm import check_checkpoint_config, checkpoint_request
-from pipeline.workers import environment_exists, run_worker
+from pipeline.environments import environment_exists, run_step
+from pipeline.project import Project
+from pipeline.recipe import load_recipe
+from pipeline.targets.trtllm import TrtllmTarget, check_checkpoint_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,16 +109,18 @@ def main() -> None:
         spec.pop("calibration", None)
     recipe = work / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(data))
-    loaded = load_recipe(recipe)
+    project = Project.open(recipe, root=work / "artifacts")
+    ctx = project.context()
+    loaded = project.loaded
     report = {}
     for name in names:
         spec = loaded.recipe.targets[name]
         assert isinstance(spec, TrtllmTarget)
         out = work / f"checkpoint-{name}"
         shutil.rmtree(out, ignore_errors=True)
-        request = checkpoint_request(loaded, spec, model_dir, out)
+        request = spec.checkpoint_request(ctx, out)
         t0 = time.perf_counter()
-        result = run_worker(ENV_MODELOPT, "pipeline.engines.modelopt", request, work / f"{name}.log")
+        result = run_step(ENV_MODELOPT, request, work / f"{name}.log")
         wall = time.perf_counter() - t0
         problems = check_checkpoint_config(spec, result["config"])
         files = {f.name: f.stat().st_size for f in sorted(out.iterdir())}

@@ -1,4 +1,5 @@
-"""Artifact layout, atomic publishing and manifests: artifacts/<recipe>/<target>/manifest.json."""
+"""Artifact layout (artifacts/<recipe>/<target>/), build locks, atomic publishing, and the one
+cached-step helper every shared step uses."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import fcntl
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +25,12 @@ from pipeline.constants import (
     REPORT_DIRNAME,
     SOURCE_RECORD,
     STAGING_PREFIX,
+    STEP_KEY_FILE,
 )
-from pipeline.errors import BuildError, DiskFullError, RegistryError
+from pipeline.errors import BuildError, DiskFullError
 from pipeline.hashing import file_sha256
+from pipeline.manifest import FileEntry, Manifest, read_manifest
+from pipeline.workers.protocol import is_disk_full
 
 
 def artifacts_root() -> Path:
@@ -73,6 +77,10 @@ class Layout:
     def report_path(self) -> Path:
         return self.recipe_dir / REPORT_DIRNAME / "size-vs-ppl.json"
 
+    def lock_path(self, name: str) -> Path:
+        """The lock file of one target or shared step of this recipe."""
+        return self.recipe_dir / LOCKS_DIRNAME / f"{name}.lock"
+
     def target_dir(self, target: str) -> Path:
         return self.recipe_dir / target
 
@@ -85,17 +93,17 @@ class Layout:
 
 
 @contextmanager
-def build_lock(layout: Layout, name: str, wait: bool = False) -> Iterator[None]:
-    """Hold an exclusive lock on one target (or shared step) of a recipe while it is built.
+def build_lock(layout: Layout, name: str) -> Iterator[None]:
+    """Hold an exclusive lock on one target of a recipe while it is built.
 
     A second build of the same target (another `pipeline build`, a parallel `dvc repro`) fails
-    at once with the holder's pid; with `wait`, it waits instead (shared steps: the reference).
+    at once with the holder's pid (shared steps wait instead: cached_step).
     """
-    path = layout.recipe_dir / LOCKS_DIRNAME / f"{name}.lock"
+    path = layout.lock_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as fh:
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
             holder = fh.read().strip() or "unknown"
@@ -124,30 +132,12 @@ def publish(staging: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def file_entries(directory: Path) -> list[dict[str, Any]]:
+def file_entries(directory: Path) -> list[FileEntry]:
     """`files` of a manifest: every file but the manifest, with sha256 and size."""
-    entries = []
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_NAME):
-        entries.append(
-            {
-                "path": path.relative_to(directory).as_posix(),
-                "sha256": file_sha256(path),
-                "bytes": path.stat().st_size,
-            }
-        )
-    return entries
-
-
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    tmp = directory / f".{MANIFEST_NAME}.tmp"
-    try:
-        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
-        tmp.replace(directory / MANIFEST_NAME)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        if exc.errno == errno.ENOSPC:
-            raise DiskFullError(f"no space left on device writing {directory / MANIFEST_NAME}") from None
-        raise
+    return [
+        FileEntry(path=p.relative_to(directory).as_posix(), sha256=file_sha256(p), bytes=p.stat().st_size)
+        for p in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+    ]
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -164,17 +154,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
         raise
 
 
-def read_manifest(directory: Path) -> dict[str, Any]:
-    path = directory / MANIFEST_NAME
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise RegistryError(f"no artifact at {directory} ({MANIFEST_NAME} missing)") from None
-    except ValueError as exc:
-        raise RegistryError(f"{path} is corrupted: {exc}") from None
-
-
-def iter_artifacts(root: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
+def iter_artifacts(root: Path) -> Iterator[tuple[Path, Manifest]]:
     """Every published artifact under root as (dir, manifest), skipping staging/cache dirs."""
     if not root.is_dir():
         return
@@ -185,13 +165,48 @@ def iter_artifacts(root: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
             yield target_dir, read_manifest(target_dir)
 
 
-def verify_files(directory: Path, manifest: dict[str, Any]) -> list[str]:
+def verify_files(directory: Path, files: list[FileEntry]) -> list[str]:
     """Problems found re-hashing an artifact's files against its manifest (empty when intact)."""
     problems = []
-    for entry in manifest.get("files", []):
-        path = directory / entry["path"]
+    for entry in files:
+        path = directory / entry.path
         if not path.is_file():
-            problems.append(f"{entry['path']}: missing")
-        elif path.stat().st_size != entry["bytes"] or file_sha256(path) != entry["sha256"]:
-            problems.append(f"{entry['path']}: checksum mismatch")
+            problems.append(f"{entry.path}: missing")
+        elif path.stat().st_size != entry.bytes or file_sha256(path) != entry.sha256:
+            problems.append(f"{entry.path}: checksum mismatch")
     return problems
+
+
+def read_key(directory: Path) -> str | None:
+    """The inputs hash a cached step's directory was computed from (None: not there)."""
+    try:
+        return (directory / STEP_KEY_FILE).read_text()
+    except OSError:
+        return None
+
+
+def cached_step(path: Path, key: str, produce: Callable[[Path], None], lock: Path) -> Path:
+    """The one cache of every shared step (source materialising, reference, F16 base, imatrix, the
+    vLLM reference, TensorRT-LLM checkpoints): `path` is a directory computed from inputs hashed to
+    `key`. Reused while its recorded key matches; otherwise `produce(tmp)` fills a fresh sibling
+    directory, which replaces `path` only once complete. A failure leaves no partial directory.
+    Processes computing the same step wait for each other on `lock`."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        if read_key(path) == key:
+            return path
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            produce(tmp)
+            (tmp / STEP_KEY_FILE).write_text(key)
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if is_disk_full(exc):
+                raise DiskFullError(f"no space left on device writing {path}") from None
+            raise
+    return path

@@ -13,13 +13,13 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pipeline.artifacts import artifacts_root, iter_artifacts, read_manifest
-from pipeline.build import TargetResult, build_recipe, prepare_reference, prepare_source, write_report
+from pipeline.artifacts import artifacts_root, iter_artifacts
 from pipeline.constants import STATUS_UNAVAILABLE
+from pipeline.environments import ENVIRONMENTS, run_step
 from pipeline.errors import EngineError, PipelineError, RegistryError, ValidationFailed
-from pipeline.recipe import load_recipe
+from pipeline.manifest import Manifest, read_manifest
+from pipeline.project import Project, TargetResult
 from pipeline.registry import Registry
-from pipeline.workers import ENVIRONMENTS, environment_exists, interpreter, run_worker
 
 app = typer.Typer(
     help="Build, validate and record LLM deployment artifacts from one recipe.", no_args_is_help=True
@@ -76,9 +76,12 @@ def build(
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True
     ) as progress:
         reporter = _RichReporter(progress)
+        project = _run(lambda: Project.open(recipe))
         results = _run(
-            lambda: build_recipe(
-                recipe, names, dry_run=dry_run, force=force, reporter=reporter, threads=threads
+            lambda: (
+                project.plan(names)
+                if dry_run
+                else project.build(names, force=force, reporter=reporter, threads=threads)
             )
         )
     out.print(_summary(results))
@@ -90,12 +93,14 @@ def build(
     unavailable = [r for r in results if r.outcome == STATUS_UNAVAILABLE]
     for r in unavailable:
         err.print(f"[yellow]unavailable:[/] {r.target}: {r.message}", highlight=False, soft_wrap=True)
-    failed = [r for r in results if r.validation == "failed"]
+    failed = [r for r in results if r.failed]
     for r in errors:
         err.print(f"[bold red]error:[/] {r.target}: {r.message}", highlight=False, soft_wrap=True)
     if errors:
         raise typer.Exit(max(r.exit_code for r in errors))
     if failed:
+        for r in failed:
+            err.print(f"[bold red]failed:[/] {r.target}: {r.message}", highlight=False, soft_wrap=True)
         err.print(f"[bold red]error:[/] validation failed for {', '.join(r.target for r in failed)}")
         raise typer.Exit(ValidationFailed.exit_code)
     if unavailable and require_all:
@@ -107,7 +112,7 @@ def build(
 @app.command()
 def source(recipe: RecipeArg) -> None:
     """Resolve and hash the recipe's source checkpoint; write its record (a DVC stage)."""
-    path = _run(lambda: prepare_source(recipe))
+    path = _run(lambda: Project.open(recipe).prepare_source())
     out.print(f"source record: {path}", highlight=False)
 
 
@@ -115,19 +120,19 @@ def source(recipe: RecipeArg) -> None:
 def reference(recipe: RecipeArg) -> None:
     """Compute the transformers reference every target is validated against (a DVC stage)."""
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=err, transient=True) as progress:
-        path = _run(lambda: prepare_reference(recipe, reporter=_RichReporter(progress)))
+        path = _run(lambda: Project.open(recipe).prepare_reference(_RichReporter(progress)))
     out.print(f"reference: {path}", highlight=False)
 
 
 @app.command()
 def report(recipe: RecipeArg, as_json: JsonOpt = False) -> None:
     """Every built target's validation numbers in one table (and the DVC size-vs-ΔPPL data)."""
-    rows = _run(lambda: write_report(recipe))
+    rows = _run(lambda: Project.open(recipe).report())
     if as_json:
         out.print_json(json.dumps(rows))
         return
     table = Table(title=f"report {recipe}")
-    for col in ("target", "engine", "quant", "status", "MiB", "ΔPPL %", "KLD", "tok/s"):
+    for col in ("target", "engine", "quant", "status", "MiB", "ΔPPL %", "KLD", "KLD top-k ≥", TOKENS_PER_S):
         table.add_column(col)
     for r in rows:
         table.add_row(
@@ -138,9 +143,20 @@ def report(recipe: RecipeArg, as_json: JsonOpt = False) -> None:
             _fmt(r["size_mib"], ".1f"),
             _fmt(r["ppl_delta_pct"], "+.2f"),
             _fmt(r["kld_mean"], ".4f"),
+            _fmt(r["kld_topk_mean"], ".4f"),
             _fmt(r["tokens_per_s"], ".0f"),
         )
     out.print(table)
+    out.print(KLD_NOTE, highlight=False)
+
+
+# What the speed and KL columns mean (pipeline.workers.scoring has the definitions).
+TOKENS_PER_S = "tok/s (1 stream)"
+KLD_NOTE = (
+    "KLD: full-vocabulary KL to the fp32 reference (llama.cpp, TensorRT-LLM); KLD top-k ≥: its lower "
+    "bound from the engine's top-64 logprobs (vLLM, SGLang). tok/s: smoke prompts one at a time, "
+    "generated tokens / wall seconds, prefill included."
+)
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -149,18 +165,21 @@ def _fmt(value: Any, spec: str) -> str:
 
 def _summary(results: list[TargetResult]) -> Table:
     table = Table(title="build summary")
-    for col in ("target", "outcome", "validation", "ΔPPL %", "KLD", "agree", "tok/s", "time", "note"):
+    columns = ("target", "outcome", "validation", "ΔPPL %", "KLD", "KLD top-k ≥", "agree", TOKENS_PER_S)
+    for col in (*columns, "time", "note"):
         table.add_column(col)
     for r in results:
         m = r.metrics
         colour = {"passed": "green", "failed": "red"}.get(r.validation or "", "yellow")
         note = "" if r.outcome == STATUS_UNAVAILABLE else (r.message or "")  # said in full below
+        verdicts = " ".join(f"{e}:{s}" for e, s in r.engines.items()) if len(r.engines) > 1 else ""
         table.add_row(
             r.target,
             r.outcome,
-            f"[{colour}]{r.validation or '-'}[/]",
+            f"[{colour}]{r.validation or '-'}[/]" + (f" ({verdicts})" if verdicts else ""),
             _fmt(m.get("ppl_delta_pct"), "+.2f"),
             _fmt(m.get("kld_mean"), ".4f"),
+            _fmt(m.get("kld_topk_mean"), ".4f"),
             _fmt(m.get("token_agreement"), ".2f"),
             _fmt(m.get("tokens_per_s"), ".0f"),
             f"{r.seconds:.0f}s",
@@ -172,7 +191,7 @@ def _summary(results: list[TargetResult]) -> Table:
 @recipe_app.command("check")
 def recipe_check(recipe: RecipeArg) -> None:
     """Validate a recipe (schema, values, referenced files) without building."""
-    loaded = _run(lambda: load_recipe(recipe))
+    loaded = _run(lambda: Project.open(recipe)).loaded
     r = loaded.recipe
     targets = ", ".join(f"{n} ({t.kind})" for n, t in r.targets.items())
     out.print(f"ok: {loaded.path}: recipe {r.name!r}, {len(r.targets)} targets: {targets}", highlight=False)
@@ -186,7 +205,7 @@ def list_artifacts(as_json: JsonOpt = False) -> None:
         out.print_json(json.dumps([{"path": str(d), **_brief(m)} for d, m in rows]))
         return
     table = Table(title=f"artifacts in {artifacts_root()}")
-    for col in ("recipe", "target", "engine", "quant", "validation", "ΔPPL %", "KLD", "MiB"):
+    for col in ("recipe", "target", "engine", "quant", "validation", "ΔPPL %", "KLD", "KLD top-k ≥", "MiB"):
         table.add_column(col)
     for _, m in rows:
         b = _brief(m)
@@ -198,22 +217,25 @@ def list_artifacts(as_json: JsonOpt = False) -> None:
             b["validation"],
             _fmt(b["ppl_delta_pct"], "+.2f"),
             _fmt(b["kld_mean"], ".4f"),
+            _fmt(b["kld_topk_mean"], ".4f"),
             f"{b['bytes'] / 2**20:.0f}",
         )
     out.print(table)
 
 
-def _brief(m: dict[str, Any]) -> dict[str, Any]:
-    metrics = m.get("validation", {}).get("metrics", {})
+def _brief(m: Manifest) -> dict[str, Any]:
+    metrics = m.validation.metrics
     return {
-        "recipe": m["recipe"],
-        "target": m["target"],
-        "engine": m["engine"],
-        "quant": m["quant"],
-        "validation": m.get("validation", {}).get("status"),
-        "ppl_delta_pct": metrics.get("ppl_delta_pct"),
-        "kld_mean": metrics.get("kld_mean"),
-        "bytes": sum(f["bytes"] for f in m.get("files", [])),
+        "recipe": m.recipe,
+        "target": m.target,
+        "engine": m.engine,
+        "quant": m.quant,
+        "validation": m.validation.status,
+        "engines": {e: v.status for e, v in m.validation.engines.items()},
+        "ppl_delta_pct": metrics.ppl_delta_pct if metrics else None,
+        "kld_mean": metrics.kld_mean if metrics else None,
+        "kld_topk_mean": metrics.kld_topk_mean if metrics else None,
+        "bytes": m.size_bytes,
     }
 
 
@@ -222,18 +244,21 @@ def show(artifact: Annotated[str, typer.Argument(help="RECIPE/TARGET")], as_json
     """Show one artifact's manifest."""
     manifest = _run(lambda: read_manifest(artifacts_root() / artifact))
     if as_json:
-        out.print_json(json.dumps(manifest))
+        out.print_json(manifest.to_json())
         return
-    v = manifest["validation"]
-    out.print(f"[bold]{manifest['recipe']}/{manifest['target']}[/] {manifest['engine']} {manifest['quant']}")
-    out.print(f"validation: {v['status']}" + (f" ({v['reason']})" if v.get("reason") else ""))
-    for key, value in v.get("metrics", {}).items():
-        out.print(f"  {key}: {value}")
-    out.print(f"source: {manifest['source']}")
-    out.print(f"toolchain: {manifest['toolchain']}")
-    for f in manifest["files"]:
-        out.print(f"  {f['path']}  {f['bytes']} bytes  sha256 {f['sha256'][:16]}…")
-    out.print(f"serve: {manifest['serve']['command']}")
+    v = manifest.validation
+    out.print(f"[bold]{manifest.recipe}/{manifest.target}[/] {manifest.engine} {manifest.quant}")
+    for engine, verdict in v.engines.items():
+        reason = f" ({verdict.reason})" if verdict.reason else ""
+        out.print(f"validation in {engine}: {verdict.status}{reason}", highlight=False)
+        for key, value in (verdict.metrics.model_dump() if verdict.metrics else {}).items():
+            out.print(f"  {key}: {value}")
+    out.print(f"source: {manifest.source}")
+    for env, versions in manifest.toolchain.items():
+        out.print(f"toolchain {env}: {versions}", highlight=False)
+    for f in manifest.files:
+        out.print(f"  {f.path}  {f.bytes} bytes  sha256 {f.sha256[:16]}…")
+    out.print(f"serve: {manifest.serve.command}")
 
 
 registry_app = typer.Typer(
@@ -267,7 +292,7 @@ def registry_list(
         _emit(entries, True)
         return
     table = Table(title=f"registry {_registry().path}")
-    for col in ("recipe", "target", "engine", "quant", "gpu", "status", "stages"):
+    for col in ("recipe", "target", "engine", "quant", "gpu", "status", "verdicts", "stages"):
         table.add_column(col)
     for e in entries:
         table.add_row(
@@ -277,6 +302,7 @@ def registry_list(
             e["quant"],
             e["gpu_arch"] or "-",
             e["status"],
+            " ".join(f"{engine}:{v['status']}" for engine, v in e["engines"].items()),
             ",".join(e["stages"]),
         )
     out.print(table)
@@ -342,25 +368,19 @@ def registry_rebuild(as_json: JsonOpt = False) -> None:
 @app.command("env")
 def env_status(as_json: JsonOpt = False) -> None:
     """Show each step environment: its interpreter and tool versions (or why it is unusable)."""
-    from pipeline.targets.base import ENV_WORKERS
-
     status: dict[str, Any] = {}
     log = artifacts_root() / ".logs" / "env.log"
-    for env, spec in ENVIRONMENTS.items():
-        entry: dict[str, Any] = {
-            "purpose": spec.purpose,
-            "python": interpreter(env),
-            "gpu_only": spec.gpu_only,
-        }
-        if spec.gpu_only and not environment_exists(env):
+    for name, env in ENVIRONMENTS.items():
+        entry: dict[str, Any] = {"purpose": env.purpose, "python": env.interpreter, "gpu_only": env.gpu_only}
+        if env.gpu_only and not env.exists:
             entry["status"] = "absent (GPU build servers only)"
         else:
             try:
-                entry.update(run_worker(env, ENV_WORKERS[env], {"op": "toolchain"}, log))
+                entry.update(run_step(name, {"op": "toolchain"}, log))
                 entry["status"] = "ok"
             except PipelineError as exc:
                 entry["status"] = f"unusable: {exc}"
-        status[env] = entry
+        status[name] = entry
     if as_json:
         out.print_json(json.dumps(status))
         return

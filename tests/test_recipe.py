@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.errors import RecipeError
-from pipeline.recipe import load_recipe, select_targets
+from pipeline.project import Project
+from pipeline.recipe import load_recipe
 from tests.conftest import REPO, write_recipe
 
 F16 = {"kind": "gguf", "quant": "F16", "gates": {"max_ppl_delta_pct": 0.1, "max_kld_mean": 0.001}}
@@ -108,9 +109,43 @@ def test_missing_calibration_file(tmp_path: Path) -> None:
 
 def test_select_unknown_target(tmp_path: Path) -> None:
     (tmp_path / "model").mkdir()
-    loaded = load_recipe(write_recipe(tmp_path / "r.yaml"))
+    project = Project.open(write_recipe(tmp_path / "r.yaml"), root=tmp_path / "artifacts")
     with pytest.raises(RecipeError, match="unknown target"):
-        select_targets(loaded.recipe, ["nope"])
+        project.select(["nope"])
+
+
+def test_every_error_of_a_recipe_is_reported_at_once(tmp_path: Path) -> None:
+    """An unknown kind in one target is not hidden behind another target's bad value, and the
+    file and model checks that run after parsing report together too."""
+    msg = _error(tmp_path, targets={"a": {**F16, "quant": "Q9_9"}, "b": {"kind": "warp-drive"}})
+    assert "target 'a': quant: unknown GGUF quant 'Q9_9'" in msg
+    assert "target 'b': unknown kind 'warp-drive'" in msg
+    (tmp_path / "model" / "config.json").write_text('{"hidden_size": 96, "intermediate_size": 256}')
+    msg = _error(
+        tmp_path,
+        calibration={"dataset": "missing.txt"},
+        targets={"gptq": {"kind": "gptq", "group_size": 64, **INT4}, "awq": {"kind": "awq", **INT4}},
+    )
+    assert "calibration.dataset: file 'missing.txt' not found" in msg
+    assert "targets.gptq.group_size: 64 does not divide" in msg
+    assert "targets.awq.group_size: 128 does not divide" in msg
+    res = CliRunner().invoke(app, ["recipe", "check", str(tmp_path / "r.yaml")])
+    assert (
+        res.exit_code == RecipeError.exit_code
+        and "targets.gptq" in res.output
+        and "targets.awq" in res.output
+    )
+
+
+def test_kld_gates_name_what_the_engines_measure(tmp_path: Path) -> None:
+    """vLLM/SGLang report a top-k lower bound of the KL; llama.cpp a full-vocabulary KL: a gate on
+    the wrong one is refused, and the right one is required."""
+    full_gate = {"max_ppl_delta_pct": 30.0, "max_kld_mean": 0.3}
+    msg = _error(tmp_path, targets={"awq": {"kind": "awq", "group_size": 64, "gates": full_gate}})
+    assert "gates.max_kld_mean: the serving engines (vllm, sglang) report kld_topk_mean" in msg
+    assert "use max_kld_topk_mean" in msg
+    msg = _error(tmp_path, targets={"a": {**F16, "gates": {"max_ppl_delta_pct": 1, "max_kld_topk_mean": 1}}})
+    assert "gates.max_kld_mean: required, llama.cpp reports kld_mean" in msg
 
 
 def test_cli_recipe_check(tmp_path: Path) -> None:
@@ -139,7 +174,7 @@ def test_cli_dry_run_plans_without_building(_isolated_artifacts: Path) -> None:
     assert not _isolated_artifacts.exists()
 
 
-INT4 = {"gates": {"max_ppl_delta_pct": 30.0, "max_kld_mean": 0.3}}
+INT4 = {"gates": {"max_ppl_delta_pct": 30.0, "max_kld_topk_mean": 0.3}}
 
 
 def test_int4_targets_parse(tmp_path: Path) -> None:
@@ -178,6 +213,9 @@ def test_group_size_checked_against_a_local_checkpoint(tmp_path: Path) -> None:
 def test_unsupported_group_size_and_act_order(tmp_path: Path) -> None:
     assert "group_size: Input should be -1, 32, 64 or 128" in _error(
         tmp_path, targets={"a": {"kind": "awq", "group_size": 48, **INT4}}
+    )
+    assert "n_grid: Input should be greater than or equal to 3" in _error(
+        tmp_path, targets={"a": {"kind": "awq", "n_grid": 2, **INT4}}
     )
     assert "act_order: Input should be 'static' or 'weight'" in _error(
         tmp_path, targets={"g": {"kind": "gptq", "act_order": "group", **INT4}}

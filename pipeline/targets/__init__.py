@@ -1,7 +1,7 @@
-"""Target builders, registered by kind name. A new target family is one module imported here."""
+"""Target kinds, each one module owning its spec and behaviour, registered by kind name. Adding a
+kind: one module here and its import below."""
 
-# Importing a module registers its builders: gguf; awq and gptq; trtllm; modelopt.
-from pipeline.targets import gguf, int4, modelopt, trtllm  # noqa: F401
-from pipeline.targets.base import BUILDERS, BuildContext, TargetBuilder
+from pipeline.targets import gguf, int4, modelopt, trtllm  # noqa: F401  (importing registers them)
+from pipeline.targets.base import KINDS, BuildContext, BuildOutput, Target
 
-__all__ = ["BUILDERS", "BuildContext", "TargetBuilder"]
+__all__ = ["KINDS", "BuildContext", "BuildOutput", "Target"]

@@ -1,45 +1,25 @@
-"""The builder interface every target family implements, and the shared build context."""
+"""What every target kind is: one pydantic class holding its recipe spec and its behaviour (build,
+validate, serve command, recipe-time checks), registered under its `kind` name; and the build
+context the kinds share (source, reference, steps in environments)."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar, get_args
 
-from pipeline.artifacts import Layout, build_lock
-from pipeline.constants import (
-    ENV_LLAMACPP,
-    ENV_LLMCOMPRESSOR,
-    ENV_MODELOPT,
-    ENV_SGLANG,
-    ENV_TRANSFORMERS,
-    ENV_TRTLLM,
-    ENV_VLLM,
-    REFERENCE_KEY_FILE,
-    STATUS_FAILED,
-    STATUS_PASSED,
-)
+from pydantic import model_validator
+
+from pipeline.artifacts import Layout, cached_step, read_key
+from pipeline.constants import ENGINE_KLD_METRIC, ENV_TRANSFORMERS, GPU_ARCHS, KLD_GATES
+from pipeline.environments import run_step
 from pipeline.hashing import file_sha256, json_sha256
-from pipeline.recipe import CalibrationOverride, Gates, LoadedRecipe, ServeSpec, TargetSpec
+from pipeline.manifest import Validation
+from pipeline.recipe import CalibrationOverride, LoadedRecipe, ServeSpec, TargetSpec
 from pipeline.source import ResolvedSource
-from pipeline.workers import run_worker
-
-# Each environment's worker module, which answers the `toolchain` op.
-ENV_WORKERS = {
-    ENV_LLAMACPP: "pipeline.engines.llamacpp",
-    ENV_TRANSFORMERS: "pipeline.engines.hf_reference",
-    ENV_LLMCOMPRESSOR: "pipeline.engines.llmcompressor",
-    ENV_VLLM: "pipeline.engines.vllm",
-    ENV_SGLANG: "pipeline.engines.sglang",
-    ENV_MODELOPT: "pipeline.engines.modelopt",
-    ENV_TRTLLM: "pipeline.engines.trtllm",
-}
 
 
 class Reporter(Protocol):
@@ -55,7 +35,7 @@ class NullReporter:
 
 @dataclass
 class BuildContext:
-    """What every builder of one recipe shares: source, layout, caches of shared steps."""
+    """What every target of one recipe build shares: source, layout, the reference, environments."""
 
     loaded: LoadedRecipe
     source_resolver: Callable[[], ResolvedSource]
@@ -77,166 +57,186 @@ class BuildContext:
     def log_path(self, name: str) -> Path:
         return self.layout.logs_dir / f"{name}.log"
 
-    def worker(
-        self, env: str, module: str, request: dict[str, Any], log: str, timeout_s: float | None = None
+    def step(
+        self, env: str, request: dict[str, Any], log: str, timeout_s: float | None = None
     ) -> dict[str, Any]:
-        return run_worker(env, module, request, self.log_path(log), timeout_s)
+        """Run one op of env's worker (pipeline.environments.run_step), logging to `<log>.log`."""
+        return run_step(env, request, self.log_path(log), timeout_s)
 
     def toolchain(self, env: str) -> dict[str, Any]:
-        """Versions in environment `env` (asked once per build)."""
+        """What env's worker says of itself: `toolchain` (versions), sometimes `gpu`; asked once."""
         if env not in self._toolchains:
-            self._toolchains[env] = self.worker(env, ENV_WORKERS[env], {"op": "toolchain"}, "toolchain")
+            self._toolchains[env] = self.step(env, {"op": "toolchain"}, "toolchain")
         return self._toolchains[env]
 
-    def reference(self) -> tuple[dict[str, Any], Path]:
-        """The transformers reference on the source: computed once per inputs, cached on disk."""
+    def versions(self, env: str) -> dict[str, str | None]:
+        return self.toolchain(env)["toolchain"]
+
+    def cached(self, name: str, inputs: dict[str, Any], produce: Callable[[Path], None]) -> Path:
+        """`.cache/<name>/` computed by `produce` from `inputs` (pipeline.artifacts.cached_step)."""
+        path = self.layout.cache_dir / name
+        return cached_step(path, json_sha256(inputs), produce, self.layout.lock_path(f"cache-{name}"))
+
+    def reference_inputs(self) -> dict[str, Any]:
         r = self.loaded.recipe
-        eval_path = self.loaded.text_path(r.evaluation.text)
-        key = json_sha256(
-            {
-                "source": self.source.sha256,
-                "eval_text": file_sha256(eval_path),
-                "evaluation": r.evaluation.model_dump(),
-                "smoke": r.smoke.model_dump(),
-                "toolchain": self.toolchain(ENV_TRANSFORMERS)["toolchain"],
-            }
-        )[:16]
-        out = self.layout.reference_dir  # a fixed path: DVC's reference stage declares it
-        with build_lock(self.layout, "reference", wait=True):
-            self._compute_reference(out, key)
+        return {
+            "source": self.source.sha256,
+            "eval_text": file_sha256(self.loaded.text_path(r.evaluation.text)),
+            "evaluation": r.evaluation.model_dump(),
+            "smoke": r.smoke.model_dump(),
+            "toolchain": self.versions(ENV_TRANSFORMERS),
+        }
+
+    def reference(self) -> tuple[dict[str, Any], Path]:
+        """The transformers reference on the source, in the fixed directory DVC's reference stage
+        declares: computed once per inputs."""
+        r = self.loaded.recipe
+        out = self.layout.reference_dir
+
+        def compute(tmp: Path) -> None:
+            self.reporter.step("reference", "computing the transformers reference")
+            result = self.step(
+                ENV_TRANSFORMERS,
+                {
+                    "op": "reference",
+                    "model_dir": str(self.source.path),
+                    "trust_remote_code": r.source.trust_remote_code,
+                    "eval_text_path": str(self.loaded.text_path(r.evaluation.text)),
+                    "eval_tokens": r.evaluation.tokens,
+                    "ctx": r.evaluation.ctx,
+                    "prompts": r.smoke.prompts,
+                    "max_new_tokens": r.smoke.max_new_tokens,
+                    "chat": r.smoke.chat,
+                    "out_dir": str(tmp),
+                },
+                "reference",
+            )
+            (tmp / "reference.json").write_text(json.dumps(result))
+
+        key = self.reference_key()
+        if read_key(out) != key:
+            self._reference = None
+        cached_step(out, key, compute, self.layout.lock_path("reference"))
         if self._reference is None:
             self._reference = json.loads((out / "reference.json").read_text())
         return self._reference, out
 
-    def _compute_reference(self, out: Path, key: str) -> None:
-        r = self.loaded.recipe
-        eval_path = self.loaded.text_path(r.evaluation.text)
-        if not (out / "reference.json").is_file() or _read_text(out / REFERENCE_KEY_FILE) != key:
-            self.reporter.step("reference", "computing the transformers reference")
-            tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            with removed_on_error(tmp):
-                result = self.worker(
-                    ENV_TRANSFORMERS,
-                    "pipeline.engines.hf_reference",
-                    {
-                        "op": "reference",
-                        "model_dir": str(self.source.path),
-                        "trust_remote_code": r.source.trust_remote_code,
-                        "eval_text_path": str(eval_path),
-                        "eval_tokens": r.evaluation.tokens,
-                        "ctx": r.evaluation.ctx,
-                        "prompts": r.smoke.prompts,
-                        "max_new_tokens": r.smoke.max_new_tokens,
-                        "chat": r.smoke.chat,
-                        "out_dir": str(tmp),
-                    },
-                    "reference",
-                )
-                (tmp / "reference.json").write_text(json.dumps(result))
-                (tmp / REFERENCE_KEY_FILE).write_text(key)
-            shutil.rmtree(out, ignore_errors=True)
-            tmp.rename(out)
-            self._reference = None
+    def reference_key(self) -> str:
+        """The hash of the reference's inputs (what its directory is recomputed on)."""
+        return json_sha256(self.reference_inputs())
+
+    def calibration_request(self, override: CalibrationOverride) -> dict[str, Any]:
+        """The calibration fields of a quantizer's request: the recipe's text with the target's
+        own sample count / length (no text: nothing to calibrate, e.g. an FP16 engine)."""
+        cal = self.loaded.recipe.calibration
+        if cal is None:
+            return {"text_path": None, "samples": 0, "seq_len": 0, "seed": 0}
+        return {
+            "text_path": str(self.loaded.text_path(cal.dataset)),
+            "samples": override.samples or cal.samples,
+            "seq_len": override.seq_len or cal.seq_len,
+            "seed": cal.seed,
+        }
 
 
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None
+@dataclass(frozen=True)
+class BuildOutput:
+    """What a build step hands the orchestrator besides the files: the manifest's `quant`, the
+    GPU and profile an engine was built for, and the kind's own record of how it was made."""
+
+    quant: str
+    gpu_arch: str | None = None
+    profile: dict[str, Any] | None = None
+    gguf: dict[str, Any] | None = None
+    quantization: dict[str, Any] | None = None
+    trtllm: dict[str, Any] | None = None
 
 
-@contextmanager
-def removed_on_error(path: Path) -> Iterator[None]:
-    """Remove a partial file or directory if the step writing it fails (disk full, crash)."""
-    try:
-        yield
-    except BaseException:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-        raise
+class Target(TargetSpec, ABC):
+    """A target kind: its recipe fields (subclasses add a `kind` literal and options) and how it is
+    built, validated in its serving engines and served."""
 
-
-def calibration_request(loaded: LoadedRecipe, override: CalibrationOverride) -> dict[str, Any]:
-    """The calibration fields of a quantizer worker's request: the recipe's text with the
-    target's own sample count / length (no text: nothing to calibrate, e.g. an FP16 engine)."""
-    cal = loaded.recipe.calibration
-    if cal is None:
-        return {"text_path": None, "samples": 0, "seq_len": 0, "seed": 0}
-    return {
-        "text_path": str(loaded.text_path(cal.dataset)),
-        "samples": override.samples or cal.samples,
-        "seq_len": override.seq_len or cal.seq_len,
-        "seed": cal.seed,
-    }
-
-
-def scored_metrics(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
-    """The manifest's `validation.metrics` common to every engine, from an engine's scores."""
-    return {
-        "ppl": got["ppl"],
-        "ppl_ref": ref["ppl"],
-        "ppl_delta_pct": (got["ppl"] / ref["ppl"] - 1.0) * 100.0,
-        "kld_mean": got["kld_mean"],
-        "token_agreement": got["token_agreement"],
-        "top1_agreement": got["top1_agreement"],
-        "tokens_per_s": got["tokens_per_s"],
-        "prompt_tokens_per_s": got["prompt_tokens_per_s"],
-        "eval_tokens": len(ref["eval_ids"]),
-    }
-
-
-def gate(metrics: dict[str, Any], gates: Gates) -> tuple[str, str | None]:
-    """(status, reason): perplexity and KLD gate; token agreement gates only if the recipe asks."""
-    failures = []
-    if metrics["ppl_delta_pct"] > gates.max_ppl_delta_pct:
-        failures.append(f"ΔPPL {metrics['ppl_delta_pct']:.3f}% > {gates.max_ppl_delta_pct}%")
-    if metrics["kld_mean"] > gates.max_kld_mean:
-        failures.append(f"KLD {metrics['kld_mean']:.5f} > {gates.max_kld_mean}")
-    if metrics["token_agreement"] < gates.min_token_agreement:
-        failures.append(f"token agreement {metrics['token_agreement']:.2f} < {gates.min_token_agreement}")
-    return (STATUS_FAILED, "; ".join(failures)) if failures else (STATUS_PASSED, None)
-
-
-class TargetBuilder(ABC):
-    """Build one target kind into a directory, then validate it in its serving engine."""
-
-    kind: ClassVar[str]
-    engine: ClassVar[str]  # the serving engine recorded in the manifest
+    engine: ClassVar[str]  # the primary serving engine (the manifest's `engine`)
     format: ClassVar[str]  # the artifact format recorded in the manifest
     environments: ClassVar[tuple[str, ...]]  # environments whose versions the manifest records
     gpu_host: ClassVar[bool] = False  # built only on GPU hosts (its DVC stages: gpu/dvc.yaml)
 
-    def unavailable(self, ctx: BuildContext, name: str, spec: TargetSpec) -> str | None:
+    def primary_engine(self) -> str:
+        return self.engine
+
+    def serving_engines(self) -> tuple[str, ...]:
+        """Every engine that gives this artifact a verdict (the primary one first)."""
+        return (self.primary_engine(),)
+
+    def recorded_environments(self) -> tuple[str, ...]:
+        """Environments whose versions decide the bytes and the numbers (the manifest's toolchain)."""
+        return self.environments
+
+    @model_validator(mode="after")
+    def _kld_gates_match_engines(self) -> Target:
+        """A KL gate must bound what the serving engines measure: a full-vocabulary KL and a top-k
+        lower bound are different numbers (pipeline.workers.scoring)."""
+        measured = {ENGINE_KLD_METRIC[e]: e for e in self.serving_engines()}
+        for metric, gate in KLD_GATES.items():
+            value = getattr(self.gates, gate)
+            if metric in measured and value is None:
+                raise ValueError(f"gates.{gate}: required, {measured[metric]} reports {metric}")
+            if metric not in measured and value is not None:
+                engines = ", ".join(self.serving_engines())
+                use = ", ".join(KLD_GATES[m] for m in measured)
+                raise ValueError(
+                    f"gates.{gate}: the serving engines ({engines}) report {', '.join(measured)}, not "
+                    f"{metric}; use {use} (pipeline.workers.scoring says what each measures)"
+                )
+        return self
+
+    def unavailable(self, ctx: BuildContext, name: str) -> str | None:
         """Why this host cannot build the target (its engine or GPU is missing), or None."""
         return None
 
-    def plan(self, layout: Layout, name: str, spec: TargetSpec) -> dict[str, Any] | None:
+    def plan(self, layout: Layout, name: str) -> dict[str, Any] | None:
         """What a dry run shows beyond the spec (commands, build configs), or None."""
         return None
 
-    @abstractmethod
-    def build(self, ctx: BuildContext, name: str, spec: TargetSpec, out: Path) -> dict[str, Any]:
-        """Write the engine files into `out`; return manifest fields (quant, details; optionally
-        gpu_arch and profile for `build`)."""
+    def describe(self) -> str:
+        fields = self.model_dump(exclude={"kind", "gates"})
+        return f"{self.kind} " + " ".join(f"{k}={v}" for k, v in fields.items())
 
     @abstractmethod
-    def validate(self, ctx: BuildContext, name: str, spec: TargetSpec, artifact: Path) -> dict[str, Any]:
-        """Score the artifact in its engine; return the manifest's `validation` section."""
+    def build(self, ctx: BuildContext, name: str, out: Path) -> BuildOutput:
+        """Write the artifact's files into `out`."""
 
     @abstractmethod
-    def serve_command(self, spec: TargetSpec, serve: ServeSpec) -> str:
+    def validate(self, ctx: BuildContext, name: str, artifact: Path) -> Validation:
+        """Score the artifact in each of its serving engines against the reference."""
+
+    @abstractmethod
+    def serve_command(self, serve: ServeSpec) -> str:
         """The command a deploy job runs, with the recipe's serving knobs; ${ARTIFACT_DIR} stands
         for the artifact's directory and `python` for the serving environment's interpreter."""
 
 
-BUILDERS: dict[str, TargetBuilder] = {}
+def gpu_arch_number(arch: str) -> int:
+    """sm90 -> 90."""
+    return int(arch.removeprefix("sm"))
 
 
-def register(builder_cls: type[TargetBuilder]) -> type[TargetBuilder]:
-    """Class decorator: make a builder available under its kind name."""
-    BUILDERS[builder_cls.kind] = builder_cls()
-    return builder_cls
+def known_gpu_arch(value: str) -> str:
+    """A field validator: the GPU architectures an engine or FP8 checkpoint may target."""
+    if value not in GPU_ARCHS:
+        raise ValueError(f"unknown GPU architecture {value!r} (known: {', '.join(GPU_ARCHS)})")
+    return value
+
+
+KINDS: dict[str, type[Target]] = {}
+
+
+K = TypeVar("K", bound=type[Target])
+
+
+def register(cls: K) -> K:
+    """Class decorator: make a kind known to the recipe loader and the builder under its name
+    (the value of its `kind` literal)."""
+    (kind,) = get_args(cls.model_fields["kind"].annotation)
+    KINDS[kind] = cls
+    return cls

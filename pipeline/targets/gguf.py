@@ -6,23 +6,27 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
-from pipeline.constants import ENV_LLAMACPP, ENV_TRANSFORMERS, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS
-from pipeline.engines.calibration import SELECTION_VERSION
-from pipeline.hashing import file_sha256, json_sha256
-from pipeline.recipe import GgufTarget, ServeSpec, TargetSpec
-from pipeline.targets.base import (
-    BuildContext,
-    TargetBuilder,
-    gate,
-    register,
-    removed_on_error,
-    scored_metrics,
+from pydantic import field_validator, model_validator
+
+from pipeline.constants import (
+    ENGINE_LLAMACPP,
+    ENV_LLAMACPP,
+    ENV_TRANSFORMERS,
+    GGUF_BASE_OUTTYPE,
+    GGUF_FILE,
+    GGUF_QUANTS,
 )
+from pipeline.hashing import file_sha256
+from pipeline.manifest import Validation
+from pipeline.recipe import ServeSpec
+from pipeline.targets.base import BuildContext, BuildOutput, Target, register
+from pipeline.validation import reference_record, verdict
+from pipeline.workers.calibration import SELECTION_VERSION
 
-LLAMACPP = "pipeline.engines.llamacpp"
-HF_REFERENCE = "pipeline.engines.hf_reference"
+BASE_FILE = "base.gguf"
+IMATRIX_FILE = "imatrix.npz"
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -33,57 +37,81 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 @register
-class GgufBuilder(TargetBuilder):
-    kind = "gguf"
-    engine = "llama.cpp"
-    format = "gguf"
-    environments = (ENV_LLAMACPP,)
+class GgufTarget(Target):
+    """A GGUF file for llama.cpp, converted and quantized by llama.cpp itself.
 
-    def build(self, ctx: BuildContext, name: str, spec: TargetSpec, out: Path) -> dict[str, Any]:
-        assert isinstance(spec, GgufTarget)
-        step, arg = GGUF_QUANTS[spec.quant]
+    ```yaml
+    gguf-iq4_xs: {kind: gguf, quant: IQ4_XS, imatrix: true,
+                  gates: {max_ppl_delta_pct: 15, max_kld_mean: 0.15}}
+    ```
+    """
+
+    kind: Literal["gguf"]
+    quant: str
+    imatrix: bool = False
+
+    engine: ClassVar[str] = ENGINE_LLAMACPP
+    format: ClassVar[str] = "gguf"
+    environments: ClassVar[tuple[str, ...]] = (ENV_LLAMACPP,)
+
+    @field_validator("quant")
+    @classmethod
+    def _known_quant(cls, value: str) -> str:
+        if value not in GGUF_QUANTS:
+            raise ValueError(f"unknown GGUF quant {value!r} (known: {', '.join(GGUF_QUANTS)})")
+        return value
+
+    @model_validator(mode="after")
+    def _imatrix_needs_quantizer(self) -> GgufTarget:
+        if self.imatrix and GGUF_QUANTS[self.quant][0] != "quantize":
+            raise ValueError(f"imatrix only applies to quantized types, not {self.quant}")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.imatrix
+
+    def recorded_environments(self) -> tuple[str, ...]:
+        # the importance matrix is computed in the transformers environment
+        return (*self.environments, ENV_TRANSFORMERS) if self.imatrix else self.environments
+
+    def build(self, ctx: BuildContext, name: str, out: Path) -> BuildOutput:
+        step, arg = GGUF_QUANTS[self.quant]
         dest = out / GGUF_FILE
         details: dict[str, Any] = {}
         if step == "convert" and arg == GGUF_BASE_OUTTYPE:
             _link_or_copy(self._base(ctx, name), dest)
         elif step == "convert":
-            ctx.reporter.step(name, f"converting to {spec.quant}")
-            ctx.worker(ENV_LLAMACPP, LLAMACPP, self._convert_request(ctx, dest, arg), name)
+            ctx.reporter.step(name, f"converting to {self.quant}")
+            ctx.step(ENV_LLAMACPP, _convert_request(ctx, dest, arg), name)
         else:
             base = self._base(ctx, name)
             request: dict[str, Any] = {
                 "op": "quantize",
                 "in_path": str(base),
                 "out_path": str(dest),
-                "quant": spec.quant,
+                "quant": self.quant,
                 "threads": ctx.threads,
             }
-            if spec.imatrix:
+            if self.imatrix:
                 imatrix, details["imatrix"] = self._imatrix(ctx, name, base)
                 request["imatrix_path"] = str(imatrix)
-            ctx.reporter.step(name, f"quantizing to {spec.quant}")
-            ctx.worker(ENV_LLAMACPP, LLAMACPP, request, name)
-        inspected = ctx.worker(ENV_LLAMACPP, LLAMACPP, {"op": "inspect", "path": str(dest)}, name)
+            ctx.reporter.step(name, f"quantizing to {self.quant}")
+            ctx.step(ENV_LLAMACPP, request, name)
+        inspected = ctx.step(ENV_LLAMACPP, {"op": "inspect", "path": str(dest)}, name)
         details["architecture"] = inspected["architecture"]
         details["tensor_types"] = inspected["tensor_types"]  # e.g. IQ4_XS files hold IQ4_NL tensors
-        return {"quant": spec.quant, "gguf": details}
-
-    def _convert_request(self, ctx: BuildContext, dest: Path, outtype: str) -> dict[str, Any]:
-        return {"op": "convert", "model_dir": str(ctx.source.path), "out_path": str(dest), "outtype": outtype}
+        return BuildOutput(quant=self.quant, gguf=details)
 
     def _base(self, ctx: BuildContext, name: str) -> Path:
         """The F16 conversion every quantized target starts from, cached per source + converter."""
-        tc = ctx.toolchain(ENV_LLAMACPP)["toolchain"]
-        key = json_sha256({"source": ctx.source.sha256, "toolchain": tc, "outtype": GGUF_BASE_OUTTYPE})
-        base = ctx.layout.cache_dir / f"gguf-base-{GGUF_BASE_OUTTYPE}-{key[:16]}.gguf"
-        if not base.is_file():
+
+        def convert(tmp: Path) -> None:
             ctx.reporter.step(name, "converting HF checkpoint to GGUF")
-            base.parent.mkdir(parents=True, exist_ok=True)
-            tmp = base.with_suffix(f".tmp-{os.getpid()}.gguf")
-            with removed_on_error(tmp):
-                ctx.worker(ENV_LLAMACPP, LLAMACPP, self._convert_request(ctx, tmp, GGUF_BASE_OUTTYPE), name)
-            tmp.rename(base)
-        return base
+            ctx.step(ENV_LLAMACPP, _convert_request(ctx, tmp / BASE_FILE, GGUF_BASE_OUTTYPE), name)
+
+        inputs = {"source": ctx.source.sha256, "toolchain": ctx.versions(ENV_LLAMACPP)}
+        return ctx.cached(f"gguf-base-{GGUF_BASE_OUTTYPE}", inputs, convert) / BASE_FILE
 
     def _imatrix(self, ctx: BuildContext, name: str, base: Path) -> tuple[Path, dict[str, Any]]:
         """Importance matrix from the recipe's calibration text, cached per inputs."""
@@ -97,51 +125,51 @@ class GgufBuilder(TargetBuilder):
             "seq_len": cal.seq_len,
             "seed": cal.seed,
         }
-        tc = ctx.toolchain(ENV_TRANSFORMERS)
-        key = json_sha256({**record, "base": base.name, "tc": tc, "selection": SELECTION_VERSION})[:16]
-        path = ctx.layout.cache_dir / f"imatrix-{key}.npz"
-        meta_path = path.with_suffix(".json")
-        if not path.is_file():
+
+        def compute(tmp: Path) -> None:
             ctx.reporter.step(name, "computing importance matrix")
-            inspected = ctx.worker(ENV_LLAMACPP, LLAMACPP, {"op": "inspect", "path": str(base)}, name)
-            tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}.npz")
-            with removed_on_error(tmp):
-                result = ctx.worker(
-                    ENV_TRANSFORMERS,
-                    HF_REFERENCE,
-                    {
-                        "op": "imatrix",
-                        "model_dir": str(ctx.source.path),
-                        "trust_remote_code": ctx.loaded.recipe.source.trust_remote_code,
-                        "text_path": str(text),
-                        "samples": cal.samples,
-                        "seq_len": cal.seq_len,
-                        "seed": cal.seed,
-                        "gguf_arch": inspected["architecture"],
-                        "gguf_tensors": inspected["rows"],
-                        "out_path": str(tmp),
-                    },
-                    name,
-                )
-                meta_path.write_text(json.dumps(result))
-            tmp.rename(path)
-        meta = json.loads(meta_path.read_text())
-        return path, {
+            inspected = ctx.step(ENV_LLAMACPP, {"op": "inspect", "path": str(base)}, name)
+            result = ctx.step(
+                ENV_TRANSFORMERS,
+                {
+                    "op": "imatrix",
+                    "model_dir": str(ctx.source.path),
+                    "trust_remote_code": ctx.loaded.recipe.source.trust_remote_code,
+                    "text_path": str(text),
+                    "samples": cal.samples,
+                    "seq_len": cal.seq_len,
+                    "seed": cal.seed,
+                    "gguf_arch": inspected["architecture"],
+                    "gguf_tensors": inspected["rows"],
+                    "out_path": str(tmp / IMATRIX_FILE),
+                },
+                name,
+            )
+            (tmp / "imatrix.json").write_text(json.dumps(result))
+
+        inputs = {
             **record,
-            "sha256": file_sha256(path),
+            "base": file_sha256(base),
+            "toolchain": ctx.versions(ENV_TRANSFORMERS),
+            "selection": SELECTION_VERSION,
+        }
+        path = ctx.cached("imatrix", inputs, compute)
+        meta = json.loads((path / "imatrix.json").read_text())
+        return path / IMATRIX_FILE, {
+            **record,
+            "sha256": file_sha256(path / IMATRIX_FILE),
             "tensors": meta["tensors"],
             "chunks": meta["chunks"],
             "tokens": meta["tokens"],
             "computed_with": meta["toolchain"],
         }
 
-    def validate(self, ctx: BuildContext, name: str, spec: TargetSpec, artifact: Path) -> dict[str, Any]:
+    def validate(self, ctx: BuildContext, name: str, artifact: Path) -> Validation:
         ref, ref_dir = ctx.reference()
         ctx.reporter.step(name, "validating in llama.cpp")
         r = ctx.loaded.recipe
-        got = ctx.worker(
+        got = ctx.step(
             ENV_LLAMACPP,
-            LLAMACPP,
             {
                 "op": "validate",
                 "gguf_path": str(artifact / GGUF_FILE),
@@ -153,29 +181,23 @@ class GgufBuilder(TargetBuilder):
             },
             name,
         )
-        metrics = {
-            **scored_metrics(got, ref),
-            "load_s": got["load_s"],
-            "tokenizer_prefix_match": got["tokenizer_prefix_match"],
-        }
-        status, reason = gate(metrics, spec.gates)
+        extra = {"load_s": got["load_s"], "tokenizer_prefix_match": got["tokenizer_prefix_match"]}
+        result = verdict(ctx, ENGINE_LLAMACPP, got, ref, self.gates, extra)
         if got["eos_token_id"] not in ref["eos_token_ids"]:
-            status = "failed"
-            reason = f"GGUF eos token {got['eos_token_id']} is not the reference's {ref['eos_token_ids']}"
-        return {
-            "status": status,
-            "reason": reason,
-            "engine": "llama.cpp",
-            "metrics": metrics,
-            "gates": spec.gates.model_dump(),
-            "generations": got["generations"],
-            "reference": {"engine": "transformers", "toolchain": ref["toolchain"], "dtype": "float32"},
-        }
+            result.status = "failed"
+            result.reason = (
+                f"GGUF eos token {got['eos_token_id']} is not the reference's {ref['eos_token_ids']}"
+            )
+        return Validation.of(ENGINE_LLAMACPP, {ENGINE_LLAMACPP: result}, reference_record(ref))
 
-    def serve_command(self, spec: TargetSpec, serve: ServeSpec) -> str:
+    def serve_command(self, serve: ServeSpec) -> str:
         knobs = serve.llamacpp
         threads = f" --n_threads {knobs.n_threads}" if knobs.n_threads else ""
         return (
             f"python -m llama_cpp.server --model ${{ARTIFACT_DIR}}/{GGUF_FILE} --host {serve.host} "
             f"--port {serve.port} --n_ctx {knobs.n_ctx} --n_gpu_layers {knobs.n_gpu_layers}{threads}"
         )
+
+
+def _convert_request(ctx: BuildContext, dest: Path, outtype: str) -> dict[str, Any]:
+    return {"op": "convert", "model_dir": str(ctx.source.path), "out_path": str(dest), "outtype": outtype}

@@ -17,36 +17,73 @@ import json
 import shlex
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.artifacts import Layout
-from pipeline.constants import ENV_MODELOPT, ENV_TRTLLM, REFERENCE_KEY_FILE
-from pipeline.engines.calibration import SELECTION_VERSION
+from pipeline.constants import ENGINE_TRTLLM, ENV_MODELOPT, ENV_TRTLLM
+from pipeline.environments import environment
 from pipeline.errors import BuildError, EngineError
-from pipeline.hashing import file_sha256, json_sha256
-from pipeline.recipe import LoadedRecipe, ServeSpec, TargetSpec, TrtllmTarget
-from pipeline.targets.base import (
-    BuildContext,
-    TargetBuilder,
-    calibration_request,
-    gate,
-    register,
-    removed_on_error,
-    scored_metrics,
-)
-from pipeline.workers import environment_exists, interpreter
+from pipeline.hashing import file_sha256
+from pipeline.manifest import Validation
+from pipeline.recipe import CalibrationOverride, ServeSpec, Strict
+from pipeline.targets.base import BuildContext, BuildOutput, Target, gpu_arch_number, known_gpu_arch, register
+from pipeline.targets.modelopt import checkpoint_request
+from pipeline.validation import not_run, reference_record, verdict
+from pipeline.workers.calibration import SELECTION_VERSION
 
-MODELOPT = "pipeline.engines.modelopt"
-TRTLLM = "pipeline.engines.trtllm"
 TRTLLM_RELEASE_LINE = "1.2."  # the engine backend and trtllm-build were removed after 1.2
 CHECKPOINT_TIMEOUT_S = 6 * 3600
 ENGINE_TIMEOUT_S = 6 * 3600
 VALIDATE_TIMEOUT_S = 3600
+CHECKPOINT_INFO = "pipeline-checkpoint.json"
 TOKENIZER_DIR = "tokenizer"  # beside the engine files: what the runtime and trtllm-serve read
 TOKENIZER_FILE_PREFIXES = ("tokenizer", "special_tokens")
 TOKENIZER_FILES = ("config.json", "generation_config.json", "chat_template.jinja")
 # recipe quant -> the checkpoint's `quantization.quant_algo` (TensorRT-LLM QuantAlgo names)
 QUANT_ALGO = {"fp16": None, "bf16": None, "int8_sq": "W8A8_SQ_PER_CHANNEL", "int8_wo": "W8A16", "fp8": "FP8"}
+
+
+class TrtllmPlugins(Strict):
+    """trtllm-build plugin switches (TensorRT-LLM 1.2 flag names; `auto` follows the dtype)."""
+
+    gpt_attention_plugin: Literal["auto", "float16", "bfloat16", "float32", "disable"] = "auto"
+    gemm_plugin: Literal["auto", "float16", "bfloat16", "float32", "fp8", "disable"] = "auto"
+    context_fmha: bool = True
+    use_fp8_context_fmha: bool = False
+    remove_input_padding: bool = True
+    use_paged_context_fmha: bool = False
+
+
+class TrtllmProfile(Strict):
+    """The fixed shapes a TensorRT-LLM engine is compiled for.
+
+    ```yaml
+    profile: {max_batch_size: 8, max_input_len: 2048, max_seq_len: 4096, max_num_tokens: 8192}
+    ```
+    """
+
+    max_batch_size: int = Field(8, ge=1, le=4096)
+    max_input_len: int = Field(1024, ge=1)
+    max_seq_len: int = Field(2048, ge=2)
+    max_num_tokens: int = Field(8192, ge=1)
+    opt_num_tokens: int | None = Field(None, ge=1)
+    kv_cache_type: Literal["paged", "continuous", "disabled"] = "paged"
+    plugins: TrtllmPlugins = TrtllmPlugins()
+
+    @model_validator(mode="after")
+    def _shapes(self) -> TrtllmProfile:
+        if self.max_input_len > self.max_seq_len:
+            raise ValueError(f"max_input_len {self.max_input_len} > max_seq_len {self.max_seq_len}")
+        if self.opt_num_tokens is not None and self.opt_num_tokens > self.max_num_tokens:
+            raise ValueError(f"opt_num_tokens {self.opt_num_tokens} > max_num_tokens {self.max_num_tokens}")
+        if self.max_num_tokens < self.max_input_len and not self.plugins.use_paged_context_fmha:
+            raise ValueError(
+                f"max_num_tokens {self.max_num_tokens} < max_input_len {self.max_input_len}: one "
+                "prompt must fit in a step unless plugins.use_paged_context_fmha (context chunking)"
+            )
+        return self
 
 
 def export_dtype(spec: TrtllmTarget) -> str:
@@ -59,25 +96,6 @@ def checkpoint_dir(layout: Layout, name: str) -> Path:
 
 def engine_dir(layout: Layout, name: str) -> Path:
     return layout.cache_dir / f"trtllm-engine-{name}"
-
-
-def checkpoint_request(
-    loaded: LoadedRecipe, spec: TrtllmTarget, model_dir: Path, out: Path
-) -> dict[str, Any]:
-    """The ModelOpt worker's request for one engine target's checkpoint."""
-    return {
-        "op": "checkpoint",
-        "format": "trtllm",
-        "model_dir": str(model_dir),
-        "out_dir": str(out),
-        "trust_remote_code": loaded.recipe.source.trust_remote_code,
-        "quant": spec.quant,
-        "dtype": export_dtype(spec),
-        "tp_size": spec.tp_size,
-        "kv_cache_dtype": spec.kv_cache_dtype,
-        "smoothquant_alpha": spec.smoothquant_alpha,
-        **calibration_request(loaded, spec.calibration),
-    }
 
 
 def check_checkpoint_config(spec: TrtllmTarget, config: dict[str, Any]) -> list[str]:
@@ -167,20 +185,106 @@ def engine_config_mismatches(spec: TrtllmTarget, engine_config: dict[str, Any]) 
 
 
 @register
-class TrtllmBuilder(TargetBuilder):
-    kind = "trtllm"
-    engine = "tensorrt-llm"
-    format = "tensorrt-engine"
-    environments = (ENV_MODELOPT, ENV_TRTLLM)
-    gpu_host = True
+class TrtllmTarget(Target):
+    """A TensorRT-LLM 1.2 engine for one GPU architecture and one fixed profile: a ModelOpt
+    checkpoint step (FP16 unquantized, INT8 SmoothQuant or weight-only, FP8), then `trtllm-build`.
 
-    def unavailable(self, ctx: BuildContext, name: str, spec: TargetSpec) -> str | None:
+    ```yaml
+    trtllm-fp8: {kind: trtllm, quant: fp8, gpu_arch: sm90, gpu_memory_gib: 80,
+                 profile: {max_batch_size: 8, max_input_len: 2048, max_seq_len: 4096},
+                 gates: {max_ppl_delta_pct: 2, max_kld_mean: 0.02}}
+    ```
+    """
+
+    kind: Literal["trtllm"]
+    quant: Literal["fp16", "bf16", "int8_sq", "int8_wo", "fp8"]
+    gpu_arch: str
+    gpu_memory_gib: float | None = Field(None, gt=0)  # checked against weights + KV cache
+    tp_size: int = Field(1, ge=1, le=64)
+    dtype: Literal["float16", "bfloat16"] = "float16"  # activations and unquantized layers
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    smoothquant_alpha: float = Field(0.5, ge=0, le=1)  # int8_sq only
+    gather_context_logits: bool = True  # validation's perplexity needs it; costs engine memory
+    profile: TrtllmProfile = TrtllmProfile()
+    calibration: CalibrationOverride = CalibrationOverride()
+
+    engine: ClassVar[str] = ENGINE_TRTLLM
+    format: ClassVar[str] = "tensorrt-engine"
+    environments: ClassVar[tuple[str, ...]] = (ENV_MODELOPT, ENV_TRTLLM)
+    gpu_host: ClassVar[bool] = True
+
+    _arch = field_validator("gpu_arch")(known_gpu_arch)
+
+    @model_validator(mode="after")
+    def _arch_supports_quant(self) -> TrtllmTarget:
+        fp8_used = (
+            self.quant == "fp8" or self.kv_cache_dtype == "fp8" or self.profile.plugins.use_fp8_context_fmha
+        )
+        if fp8_used and gpu_arch_number(self.gpu_arch) < 89:
+            raise ValueError(f"FP8 needs sm89 (Ada) or newer; gpu_arch is {self.gpu_arch}")
+        if self.profile.plugins.use_fp8_context_fmha and self.quant != "fp8":
+            raise ValueError("plugins.use_fp8_context_fmha needs quant: fp8")
+        if self.quant == "bf16" and gpu_arch_number(self.gpu_arch) < 80:
+            raise ValueError(f"bfloat16 needs sm80 or newer; gpu_arch is {self.gpu_arch}")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.quant in ("int8_sq", "fp8") or self.kv_cache_dtype != "auto"
+
+    def check(self, config: dict[str, Any] | None) -> list[str]:
+        """Tensor parallelism must split the attention heads; weights plus a full KV cache for the
+        profile must fit the stated GPU memory (skipped while the model's config is unknown here)."""
+        if not config:
+            return []
+        heads = config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads", heads)
+        if heads % self.tp_size or kv_heads % self.tp_size:
+            return [
+                f"tp_size: {self.tp_size} does not divide the model's {heads} attention heads and "
+                f"{kv_heads} KV heads"
+            ]
+        if self.gpu_memory_gib is None:
+            return []
+        need = self.memory_estimate(config)
+        usable = self.gpu_memory_gib * 0.9  # what TensorRT-LLM leaves itself by default
+        if need["total_gib"] <= usable:
+            return []
+        p = self.profile
+        return [
+            f"profile: needs ~{need['total_gib']:.1f} GiB per GPU (weights {need['weights_gib']:.1f} + "
+            f"KV cache {need['kv_cache_gib']:.1f} for {p.max_batch_size} x {p.max_seq_len} tokens) but "
+            f"gpu_memory_gib {self.gpu_memory_gib} leaves {usable:.1f}; lower max_batch_size or "
+            "max_seq_len, or raise tp_size"
+        ]
+
+    def memory_estimate(self, config: dict[str, Any]) -> dict[str, float]:
+        """GiB per GPU: weights at the target's precision and a KV cache for the whole profile."""
+        hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+        heads = config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads", heads)
+        head_dim = config.get("head_dim", hidden // heads)
+        per_layer = (
+            hidden * heads * head_dim * 2  # q and o projections
+            + hidden * kv_heads * head_dim * 2  # k and v
+            + hidden * config["intermediate_size"] * 3  # gate, up, down
+        )
+        embeddings = config["vocab_size"] * hidden * (1 if config.get("tie_word_embeddings") else 2)
+        weight_bytes = {"fp16": 2, "bf16": 2, "int8_sq": 1, "int8_wo": 1, "fp8": 1}[self.quant]
+        weights = (per_layer * layers * weight_bytes + embeddings * 2) / self.tp_size
+        kv_bytes = 1 if self.kv_cache_dtype == "fp8" else 2
+        p = self.profile
+        kv = 2 * layers * kv_heads * head_dim * kv_bytes * p.max_batch_size * p.max_seq_len / self.tp_size
+        gib = 2**30
+        return {"weights_gib": weights / gib, "kv_cache_gib": kv / gib, "total_gib": (weights + kv) / gib}
+
+    def unavailable(self, ctx: BuildContext, name: str) -> str | None:
         """Why this host cannot build the engine (None when it can). A TensorRT-LLM of another
         release line is an error, not a host limitation."""
-        assert isinstance(spec, TrtllmTarget)
-        if not environment_exists(ENV_TRTLLM):
+        env = environment(ENV_TRTLLM)
+        if not env.exists:
             return (
-                f"TensorRT-LLM is not installed on this host (no {interpreter(ENV_TRTLLM)}; set "
+                f"TensorRT-LLM is not installed on this host (no {env.interpreter}; set "
                 "PIPELINE_TRTLLM_PYTHON to the python of the TensorRT-LLM 1.2 container or venv) and "
                 "its engines need an NVIDIA GPU; build on a GPU host"
             )
@@ -188,65 +292,64 @@ class TrtllmBuilder(TargetBuilder):
         version = info["toolchain"].get("tensorrt_llm")
         if not version or not version.startswith(TRTLLM_RELEASE_LINE):
             raise EngineError(
-                f"{name}: TensorRT-LLM {version or 'not importable'} in {interpreter(ENV_TRTLLM)}; "
+                f"{name}: TensorRT-LLM {version or 'not importable'} in {env.interpreter}; "
                 f"engines need the {TRTLLM_RELEASE_LINE}x line (later releases removed trtllm-build)"
             )
         gpu = info.get("gpu")
         if gpu is None:
             return "no CUDA GPU visible to the TensorRT-LLM environment"
-        if gpu["arch"] != spec.gpu_arch:
+        if gpu["arch"] != self.gpu_arch:
             return (
-                f"this host's GPU is {gpu['name']} ({gpu['arch']}); the target is for {spec.gpu_arch} "
+                f"this host's GPU is {gpu['name']} ({gpu['arch']}); the target is for {self.gpu_arch} "
                 "and an engine only runs on the architecture that built it"
             )
         return None
 
-    def plan(self, layout: Layout, name: str, spec: TargetSpec) -> dict[str, Any]:
-        assert isinstance(spec, TrtllmTarget)
-        argv = trtllm_build_argv(spec, checkpoint_dir(layout, name), engine_dir(layout, name))
+    def plan(self, layout: Layout, name: str) -> dict[str, Any]:
+        argv = trtllm_build_argv(self, checkpoint_dir(layout, name), engine_dir(layout, name))
         return {
             "checkpoint": {
                 "tool": "ModelOpt (modelopt.torch.quantization + export_tensorrt_llm_checkpoint)",
-                "quant_algo": QUANT_ALGO[spec.quant],
-                "dtype": export_dtype(spec),
+                "quant_algo": QUANT_ALGO[self.quant],
+                "dtype": export_dtype(self),
                 "out_dir": str(checkpoint_dir(layout, name)),
             },
             "command": shlex.join(argv),
             "argv": argv,
-            "build_config": build_config(spec),
+            "build_config": build_config(self),
         }
 
-    def build(self, ctx: BuildContext, name: str, spec: TargetSpec, out: Path) -> dict[str, Any]:
-        assert isinstance(spec, TrtllmTarget)
-        checkpoint, ckpt_info = self._checkpoint(ctx, name, spec)
+    def build(self, ctx: BuildContext, name: str, out: Path) -> BuildOutput:
+        checkpoint, ckpt_info = self.checkpoint(ctx, name)
         engine = engine_dir(ctx.layout, name)
         shutil.rmtree(engine, ignore_errors=True)
-        argv = trtllm_build_argv(spec, checkpoint, engine)
+        argv = trtllm_build_argv(self, checkpoint, engine)
         ctx.reporter.step(name, "trtllm-build")
-        with removed_on_error(engine):
-            built = ctx.worker(
-                ENV_TRTLLM, TRTLLM, {"op": "build", "argv": argv, "output_dir": str(engine)}, name,
+        try:
+            built = ctx.step(
+                ENV_TRTLLM, {"op": "build", "argv": argv, "output_dir": str(engine)}, name,
                 timeout_s=ENGINE_TIMEOUT_S,
             )  # fmt: skip
-        engine_config = json.loads((engine / "config.json").read_text())
-        problems = engine_config_mismatches(spec, engine_config)
-        if problems:
-            why = "; ".join(problems)
-            raise BuildError(f"{name}: the engine's build_config differs from the recipe: {why}")
-        for f in engine.iterdir():
-            shutil.move(str(f), out / f.name)
-        shutil.rmtree(engine, ignore_errors=True)
+            engine_config = json.loads((engine / "config.json").read_text())
+            problems = engine_config_mismatches(self, engine_config)
+            if problems:
+                why = "; ".join(problems)
+                raise BuildError(f"{name}: the engine's build_config differs from the recipe: {why}")
+            for f in engine.iterdir():
+                shutil.move(str(f), out / f.name)
+        finally:
+            shutil.rmtree(engine, ignore_errors=True)
         tokenizer = out / TOKENIZER_DIR
         tokenizer.mkdir()
         for f in ctx.source.path.iterdir():
             if f.is_file() and (f.name.startswith(TOKENIZER_FILE_PREFIXES) or f.name in TOKENIZER_FILES):
                 shutil.copy(f, tokenizer / f.name)
         gpu = ctx.toolchain(ENV_TRTLLM)["gpu"]
-        return {
-            "quant": f"trtllm-{spec.quant}",
-            "gpu_arch": gpu["arch"],
-            "profile": build_config(spec),
-            "trtllm": {
+        return BuildOutput(
+            quant=f"trtllm-{self.quant}",
+            gpu_arch=gpu["arch"],
+            profile=build_config(self),
+            trtllm={
                 "command": argv,
                 "engines": built["engines"],
                 "engine_version": engine_config.get("version"),
@@ -254,29 +357,26 @@ class TrtllmBuilder(TargetBuilder):
                 "gpu": gpu,
                 "checkpoint": ckpt_info,
             },
-        }
-
-    def _checkpoint(self, ctx: BuildContext, name: str, spec: TrtllmTarget) -> tuple[Path, dict[str, Any]]:
-        """The ModelOpt checkpoint for this target, reused while its inputs are unchanged."""
-        path = checkpoint_dir(ctx.layout, name)
-        request = checkpoint_request(ctx.loaded, spec, ctx.source.path, path)
-        key = json_sha256(
-            {
-                "request": {k: v for k, v in request.items() if k not in ("model_dir", "out_dir")},
-                "source": ctx.source.sha256,
-                "calibration": file_sha256(Path(request["text_path"])) if request["text_path"] else None,
-                "selection": SELECTION_VERSION,
-                "toolchain": ctx.toolchain(ENV_MODELOPT)["toolchain"],
-            }
         )
-        info_file = path / "pipeline-checkpoint.json"
-        if info_file.is_file() and json.loads(info_file.read_text()).get("key") == key:
-            return path, json.loads(info_file.read_text())["info"]
-        shutil.rmtree(path, ignore_errors=True)
-        ctx.reporter.step(name, f"ModelOpt {spec.quant} checkpoint")
-        with removed_on_error(path):
-            result = ctx.worker(ENV_MODELOPT, MODELOPT, request, name, timeout_s=CHECKPOINT_TIMEOUT_S)
-            problems = check_checkpoint_config(spec, result["config"])
+
+    def checkpoint_request(self, ctx: BuildContext, out: Path) -> dict[str, Any]:
+        """The ModelOpt worker's request for this engine's TensorRT-LLM checkpoint."""
+        return checkpoint_request(
+            ctx, out, export="trtllm", quant=self.quant, dtype=export_dtype(self),
+            calibration=self.calibration, tp_size=self.tp_size, kv_cache_dtype=self.kv_cache_dtype,
+            smoothquant_alpha=self.smoothquant_alpha,
+        )  # fmt: skip
+
+    def checkpoint(self, ctx: BuildContext, name: str) -> tuple[Path, dict[str, Any]]:
+        """The ModelOpt checkpoint for this target, reused while its inputs are unchanged."""
+        request = self.checkpoint_request(ctx, Path("."))
+
+        def export(tmp: Path) -> None:
+            ctx.reporter.step(name, f"ModelOpt {self.quant} checkpoint")
+            result = ctx.step(
+                ENV_MODELOPT, {**request, "out_dir": str(tmp)}, name, timeout_s=CHECKPOINT_TIMEOUT_S
+            )
+            problems = check_checkpoint_config(self, result["config"])
             if problems:
                 why = "; ".join(problems)
                 raise BuildError(f"{name}: ModelOpt wrote a checkpoint the recipe did not ask for: {why}")
@@ -288,46 +388,44 @@ class TrtllmBuilder(TargetBuilder):
                 "device": result["device"],
                 "toolchain": result["toolchain"],
             }
-            info_file.write_text(json.dumps({"key": key, "info": info}))
-        return path, info
+            (tmp / CHECKPOINT_INFO).write_text(json.dumps(info))
 
-    def validate(self, ctx: BuildContext, name: str, spec: TargetSpec, artifact: Path) -> dict[str, Any]:
-        assert isinstance(spec, TrtllmTarget)
+        inputs = {
+            "request": {k: v for k, v in request.items() if k not in ("model_dir", "out_dir")},
+            "source": ctx.source.sha256,
+            "calibration": file_sha256(Path(request["text_path"])) if request["text_path"] else None,
+            "selection": SELECTION_VERSION,
+            "toolchain": ctx.versions(ENV_MODELOPT),
+        }
+        path = ctx.cached(checkpoint_dir(ctx.layout, name).name, inputs, export)
+        return path, json.loads((path / CHECKPOINT_INFO).read_text())
+
+    def validate(self, ctx: BuildContext, name: str, artifact: Path) -> Validation:
         ref, ref_dir = ctx.reference()
-        if not spec.gather_context_logits:
+        if not self.gather_context_logits:
             reason = "engine built without --gather_context_logits: no perplexity or KLD"
-            return {"status": "skipped", "reason": reason, "engine": "tensorrt-llm", "metrics": {}}
+            return Validation.of(
+                ENGINE_TRTLLM, {ENGINE_TRTLLM: not_run("skipped", reason)}, reference_record(ref)
+            )
         ctx.reporter.step(name, "validating in the TensorRT-LLM runtime")
-        got = ctx.worker(
+        got = ctx.step(
             ENV_TRTLLM,
-            TRTLLM,
             {
                 "op": "validate",
                 "engine_dir": str(artifact),
                 "tokenizer_dir": str(artifact / TOKENIZER_DIR),
                 "reference": ref,
                 "reference_dir": str(ref_dir),
-                "reference_key": (ref_dir / REFERENCE_KEY_FILE).read_text(),
                 "eos_token_id": ref["eos_token_ids"][0],
                 "max_new_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
             },
             name,
             timeout_s=VALIDATE_TIMEOUT_S,
         )
-        metrics = {**scored_metrics(got, ref), "load_s": got["load_s"]}
-        status, reason = gate(metrics, spec.gates)
-        return {
-            "status": status,
-            "reason": reason,
-            "engine": "tensorrt-llm",
-            "metrics": metrics,
-            "gates": spec.gates.model_dump(),
-            "generations": got["generations"],
-            "reference": {"engine": "transformers", "toolchain": ref["toolchain"], "dtype": "float32"},
-        }
+        result = verdict(ctx, ENGINE_TRTLLM, got, ref, self.gates, {"load_s": got["load_s"]})
+        return Validation.of(ENGINE_TRTLLM, {ENGINE_TRTLLM: result}, reference_record(ref))
 
-    def serve_command(self, spec: TargetSpec, serve: ServeSpec) -> str:
-        assert isinstance(spec, TrtllmTarget)
+    def serve_command(self, serve: ServeSpec) -> str:
         return (
             "trtllm-serve ${ARTIFACT_DIR} --backend tensorrt --tokenizer ${ARTIFACT_DIR}/"
             f"{TOKENIZER_DIR} --host {serve.host} --port {serve.port} "

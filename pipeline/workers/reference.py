@@ -1,6 +1,6 @@
 """Worker for the `transformers` environment: the unquantized reference, imatrix, materialising.
 
-Runs only as `python -m pipeline.engines.hf_reference REQUEST RESULT` (see pipeline.workers);
+Runs only as `python -m pipeline.workers.reference REQUEST RESULT` (see pipeline.environments);
 torch and transformers are imported inside the ops.
 """
 
@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.engines.calibration import calibration_chunks, read_text
-from pipeline.workers import installed_versions, worker_main
+from pipeline.workers.calibration import calibration_chunks, read_text
+from pipeline.workers.protocol import installed_versions, worker_main
 
 EOT_TOKEN = "<|im_end|>"  # ChatML end of turn (SmolLM2, Qwen2)
 

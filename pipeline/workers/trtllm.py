@@ -1,6 +1,6 @@
 """Worker for the `trtllm` environment: TensorRT-LLM 1.2 (`trtllm-build`, its runtime).
 
-Runs only as `python -m pipeline.engines.trtllm REQUEST RESULT` (see pipeline.workers), with the
+Runs only as `python -m pipeline.workers.trtllm REQUEST RESULT` (see pipeline.environments), with the
 interpreter of NVIDIA's TensorRT-LLM 1.2 container or a build server's venv: its wheel is not on
 PyPI and it needs a CUDA GPU, so this module has never run on the CPU machines this project is
 developed on. It is written against the 1.2 API (tensorrt_llm.commands.build, ModelRunnerCpp).
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.engines.scoring import common_prefix, window_scores
-from pipeline.workers import installed_versions, worker_main
+from pipeline.workers.protocol import installed_versions, worker_main
+from pipeline.workers.scoring import WindowScorer, generation_record, generation_scores, windows
 
 
 def _versions() -> dict[str, str]:
@@ -81,13 +81,9 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     runner = ModelRunnerCpp.from_dir(req["engine_dir"], rank=0)
     load_s = time.perf_counter() - t0
-    ref_logits = np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r")
-    eval_ids = ref["eval_ids"]
-    windows = [eval_ids[c * ctx : (c + 1) * ctx] for c in range(len(eval_ids) // ctx)]
-    nll = kld = 0.0
-    n_pred = same_top = 0
+    scorer = WindowScorer(np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r"))
     t1 = time.perf_counter()
-    for c, window in enumerate(windows):
+    for start, window in windows(ref["eval_ids"], ctx):
         out = runner.generate(
             [torch.tensor(window, dtype=torch.int32)],
             max_new_tokens=1,
@@ -97,57 +93,32 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
             return_dict=True,
         )
         torch.cuda.synchronize()
-        logits = out["context_logits"][0].float().cpu().numpy()
-        vocab = min(logits.shape[1], ref_logits.shape[1])
-        ours = logits[: ctx - 1, :vocab].astype(np.float64)
-        theirs = np.array(ref_logits[c * ctx : (c + 1) * ctx - 1, :vocab], dtype=np.float64)
-        w_nll, w_kld, w_top = window_scores(ours, theirs, window[1:])
-        nll += w_nll
-        kld += w_kld
-        same_top += w_top
-        n_pred += ctx - 1
+        scorer.add_logits(start, out["context_logits"][0].float().cpu().numpy(), window[1:])
     eval_s = time.perf_counter() - t1
 
-    prompts = [g["prompt_ids"] for g in ref["generations"]]
-    t2 = time.perf_counter()
-    out = runner.generate(
-        [torch.tensor(p, dtype=torch.int32) for p in prompts],
-        max_new_tokens=req["max_new_tokens"],
-        end_id=req["eos_token_id"],
-        pad_id=req["eos_token_id"],
-        top_k=1,
-        return_dict=True,
-        output_sequence_lengths=True,
-    )
-    torch.cuda.synchronize()
-    gen_s = time.perf_counter() - t2
-    generations, agreements, new_tokens = [], [], 0
-    for i, g in enumerate(ref["generations"]):
-        length = int(out["sequence_lengths"][i][0])
-        ids = [int(t) for t in out["output_ids"][i][0][len(prompts[i]) : length]]
-        new_tokens += len(ids)
-        prefix = common_prefix(ids, g["output_ids"])
-        agreements.append(prefix / max(len(g["output_ids"]), 1))
-        generations.append(
-            {
-                "prompt": g["prompt"],
-                "text": tok.decode(ids, skip_special_tokens=True),
-                "output_ids": ids,
-                "reference_text": g["text"],
-                "tokens": len(ids),
-                "stopped_at_eos": bool(ids) and ids[-1] == req["eos_token_id"],
-                "leading_tokens_agreed": prefix,
-            }
+    records, gen_s = [], 0.0
+    for g in ref["generations"]:  # one at a time, as every engine's tokens_per_s is measured
+        t2 = time.perf_counter()
+        out = runner.generate(
+            [torch.tensor(g["prompt_ids"], dtype=torch.int32)],
+            max_new_tokens=req["max_new_tokens"],
+            end_id=req["eos_token_id"],
+            pad_id=req["eos_token_id"],
+            top_k=1,
+            return_dict=True,
+            output_sequence_lengths=True,
         )
+        torch.cuda.synchronize()
+        gen_s += time.perf_counter() - t2
+        length = int(out["sequence_lengths"][0][0])
+        ids = [int(t) for t in out["output_ids"][0][0][len(g["prompt_ids"]) : length]]
+        eos = bool(ids) and ids[-1] == req["eos_token_id"]
+        records.append(generation_record(g, ids, tok.decode(ids, skip_special_tokens=True), eos))
     return {
-        "ppl": float(np.exp(nll / n_pred)),
-        "kld_mean": kld / n_pred,
-        "top1_agreement": same_top / n_pred,
-        "token_agreement": float(np.mean(agreements)),
-        "tokens_per_s": new_tokens / gen_s if gen_s else None,
-        "prompt_tokens_per_s": n_pred / eval_s if eval_s else None,
+        **scorer.result(),
+        **generation_scores(records, gen_s),
+        "prompt_tokens_per_s": scorer.predicted / eval_s if eval_s else None,
         "load_s": load_s,
-        "generations": generations,
         "toolchain": _versions(),
     }
 

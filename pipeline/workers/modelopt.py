@@ -1,6 +1,6 @@
 """Worker for the `modelopt` environment: NVIDIA ModelOpt calibration and checkpoint export.
 
-Runs only as `python -m pipeline.engines.modelopt REQUEST RESULT` (see pipeline.workers).
+Runs only as `python -m pipeline.workers.modelopt REQUEST RESULT` (see pipeline.environments).
 `checkpoint` calibrates (FP8, INT8 SmoothQuant, INT8 weight-only, INT4 AWQ; nothing for FP16/BF16)
 on the recipe's calibration text and writes either a TensorRT-LLM checkpoint (`config.json` +
 `rank<N>.safetensors`, the input of `trtllm-build`) or a unified HF checkpoint (safetensors +
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.engines.calibration import calibration_chunks, read_text
-from pipeline.workers import installed_versions, worker_main
+from pipeline.workers.calibration import calibration_chunks, read_text
+from pipeline.workers.protocol import installed_versions, worker_main
 
 # recipe quant -> ModelOpt preset config (None: export unquantized)
 PRESETS = {

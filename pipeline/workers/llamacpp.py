@@ -1,6 +1,6 @@
 """Worker for the `llamacpp` environment: convert, quantize, inspect and validate GGUF files.
 
-Runs only as `python -m pipeline.engines.llamacpp REQUEST RESULT` (see pipeline.workers). The
+Runs only as `python -m pipeline.workers.llamacpp REQUEST RESULT` (see pipeline.environments). The
 converter and gguf-py come from the llama-cpp-python sdist of the installed runtime (placed in
 `<env prefix>/share/pipeline/llama.cpp` by scripts/setup.sh), so one llama.cpp commit converts,
 quantizes and serves.
@@ -20,8 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.constants import GGUF_QUANTS
-from pipeline.engines.scoring import common_prefix, window_scores
-from pipeline.workers import installed_versions, worker_main
+from pipeline.workers.protocol import installed_versions, worker_main
+from pipeline.workers.scoring import (
+    WindowScorer,
+    common_prefix,
+    generation_record,
+    generation_scores,
+    windows,
+)
 
 
 def llama_cpp_dir() -> Path:
@@ -144,7 +150,7 @@ def op_inspect(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_validate(req: dict[str, Any]) -> dict[str, Any]:
-    """Score a GGUF in llama.cpp against the transformers reference: PPL, KLD, agreement, speed."""
+    """Score a GGUF in llama.cpp against the transformers reference (pipeline.workers.scoring)."""
     import llama_cpp
     import numpy as np
 
@@ -162,69 +168,40 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         verbose=False,
     )
     load_s = time.perf_counter() - t0
-    ref_logits = np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r")
+    scorer = WindowScorer(np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r"))
     eval_ids = ref["eval_ids"]
-    vocab = min(llm.n_vocab(), ref_logits.shape[1])
-    nll = kld = 0.0
-    n_pred = same_top = 0
     eval_s = 0.0
-    for c in range(len(eval_ids) // ctx):
-        chunk = eval_ids[c * ctx : (c + 1) * ctx]
+    for start, window in windows(eval_ids, ctx):
         llm.reset()
         t1 = time.perf_counter()
-        llm.eval(chunk)
+        llm.eval(window)
         eval_s += time.perf_counter() - t1
-        ours = np.array(llm.scores[: ctx - 1, :vocab], dtype=np.float64)
-        theirs = np.array(ref_logits[c * ctx : (c + 1) * ctx - 1, :vocab], dtype=np.float64)
-        w_nll, w_kld, w_top = window_scores(ours, theirs, chunk[1:])
-        nll += w_nll
-        kld += w_kld
-        same_top += w_top
-        n_pred += ctx - 1
-    ppl = float(np.exp(nll / n_pred))
+        scorer.add_logits(start, np.array(llm.scores[: ctx - 1]), window[1:])
 
     vocab_p = llama_cpp.llama_model_get_vocab(llm.model)
-    generations, agreements, decode_tokens, decode_s = [], [], 0, 0.0
+    records, gen_s = [], 0.0
     for g in ref["generations"]:
         llm.reset()
         out: list[int] = []
-        t_first = None
+        t1 = time.perf_counter()
         for tok in llm.generate(g["prompt_ids"], top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
-            if t_first is None:
-                t_first = time.perf_counter()
             out.append(int(tok))
             if llama_cpp.llama_vocab_is_eog(vocab_p, tok) or len(out) >= req["max_new_tokens"]:
                 break
-        if t_first is not None and len(out) > 1:
-            decode_s += time.perf_counter() - t_first
-            decode_tokens += len(out) - 1
-        want = g["output_ids"]
-        prefix = common_prefix(out, want)
-        agreements.append(prefix / max(len(want), 1) if want else float(not out))
-        generations.append(
-            {
-                "prompt": g["prompt"],
-                "text": llm.detokenize(out).decode("utf-8", errors="replace"),
-                "reference_text": g["text"],
-                "tokens": len(out),
-                "stopped_at_eos": bool(out) and llama_cpp.llama_vocab_is_eog(vocab_p, out[-1]),
-                "leading_tokens_agreed": prefix,
-            }
-        )
+        gen_s += time.perf_counter() - t1
+        eos = bool(out) and llama_cpp.llama_vocab_is_eog(vocab_p, out[-1])
+        shown = out[:-1] if eos else out  # the other engines' texts leave the end-of-turn token out
+        text = llm.detokenize(shown).decode("utf-8", errors="replace")
+        records.append(generation_record(g, out, text, eos))
     text = Path(req["eval_text_path"]).read_text().encode()
     ours_ids = llm.tokenize(text, add_bos=False, special=False)[: len(eval_ids)]
-    tok_same = common_prefix(ours_ids, eval_ids)
     return {
-        "ppl": ppl,
-        "kld_mean": kld / n_pred,
-        "top1_agreement": same_top / n_pred,
-        "token_agreement": float(np.mean(agreements)),
-        "tokens_per_s": decode_tokens / decode_s if decode_s else None,
-        "prompt_tokens_per_s": n_pred / eval_s if eval_s else None,
+        **scorer.result(),
+        **generation_scores(records, gen_s),
+        "prompt_tokens_per_s": scorer.predicted / eval_s if eval_s else None,
         "load_s": load_s,
         "eos_token_id": llm.token_eos(),
-        "tokenizer_prefix_match": tok_same / len(eval_ids),
-        "generations": generations,
+        "tokenizer_prefix_match": common_prefix(ours_ids, eval_ids) / len(eval_ids),
     }
 
 

@@ -1,0 +1,177 @@
+"""The artifact manifest as typed models: what builders, validations and the registry hand each
+other. Validated on write and on read; the field names are an interface (shared/DESIGN.md).
+
+Schema `pipeline.artifact/v2` (v1 had one flat `toolchain` dict and one verdict): `toolchain` holds
+each environment's versions separately, `validation.engines` one verdict per serving engine, and
+`kld_mean` (full vocabulary) and `kld_topk_mean` (top-k lower bound) are different metrics.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline.constants import MANIFEST_NAME, MANIFEST_SCHEMA
+from pipeline.errors import DiskFullError, RegistryError
+
+Status = Literal["passed", "failed", "skipped", "unavailable"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class FileEntry(_Model):
+    path: str
+    sha256: str
+    bytes: int
+
+
+class Metrics(BaseModel):
+    """The numbers every engine reports the same way (pipeline.workers.scoring says what each
+    means), plus engine-specific ones (load_s, startup_s, ppl_engine_ref, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    ppl: float
+    ppl_ref: float
+    ppl_delta_pct: float
+    kld_mean: float | None = None  # full-vocabulary KL(reference || engine)
+    kld_topk_mean: float | None = None  # its lower bound from the engine's top-k logprobs
+    kld_top_k: int | None = None
+    top1_agreement: float
+    token_agreement: float
+    tokens_per_s: float | None  # smoke prompts one at a time, prefill included
+    prompt_tokens_per_s: float | None
+    eval_tokens: int
+
+
+class EngineVerdict(_Model):
+    """One serving engine's verdict on an artifact."""
+
+    status: Status
+    reason: str | None = None
+    engine_version: str | None = None
+    metrics: Metrics | None = None
+    gates: dict[str, Any] | None = None
+    generations: list[dict[str, Any]] = []
+    details: dict[str, Any] = {}  # serve check, engine settings, the engine's own reference
+
+
+class Validation(_Model):
+    """`status`, `reason` and `metrics` are the primary engine's; `engines` has every verdict."""
+
+    status: Status
+    reason: str | None = None
+    engine: str
+    metrics: Metrics | None = None
+    engines: dict[str, EngineVerdict]
+    reference: dict[str, Any] | None = None
+
+    @classmethod
+    def of(
+        cls, primary: str, verdicts: dict[str, EngineVerdict], reference: dict[str, Any] | None
+    ) -> Validation:
+        first = verdicts[primary]
+        return cls(
+            status=first.status,
+            reason=first.reason,
+            engine=primary,
+            metrics=first.metrics,
+            engines=verdicts,
+            reference=reference,
+        )
+
+    def failed_engines(self) -> list[str]:
+        return [name for name, v in self.engines.items() if v.status == "failed"]
+
+
+class BuildInfo(_Model):
+    seconds: float
+    gpu_arch: str | None = None
+    profile: dict[str, Any] | None = None
+    inputs_sha256: str
+    finished_at: str
+    spec: dict[str, Any]
+
+
+class ServeInfo(_Model):
+    command: str
+
+
+class Manifest(_Model):
+    schema_: Literal["pipeline.artifact/v2"] = Field(MANIFEST_SCHEMA, alias="schema")
+    recipe: str
+    recipe_sha256: str
+    recipe_path: str
+    target: str
+    kind: str
+    engine: str
+    format: str
+    quant: str
+    source: dict[str, Any]
+    files: list[FileEntry]
+    toolchain: dict[str, dict[str, str | None]]  # environment -> package -> version
+    build: BuildInfo
+    validation: Validation
+    serve: ServeInfo
+    # what one kind records about how it was made
+    gguf: dict[str, Any] | None = None
+    quantization: dict[str, Any] | None = None
+    trtllm: dict[str, Any] | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json", by_alias=True), indent=2) + "\n"
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write `manifest.json` atomically (validated: a Manifest cannot hold a wrong shape)."""
+    tmp = directory / f".{MANIFEST_NAME}.tmp"
+    try:
+        tmp.write_text(Manifest.model_validate(manifest.model_dump(by_alias=True)).to_json())
+        tmp.replace(directory / MANIFEST_NAME)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno == errno.ENOSPC:
+            raise DiskFullError(f"no space left on device writing {directory / MANIFEST_NAME}") from None
+        raise
+
+
+def parse_manifest(text: str, where: Path | str) -> Manifest:
+    """A manifest from its JSON text, or a one-line RegistryError saying what does not match."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise RegistryError(f"{where} is corrupted: {exc}") from None
+    schema = data.get("schema") if isinstance(data, dict) else None
+    if schema != MANIFEST_SCHEMA:
+        raise RegistryError(
+            f"{where} has schema {schema!r}, this pipeline reads {MANIFEST_SCHEMA!r}. To resolve, "
+            "rebuild the target (`pipeline build RECIPE --targets T --force`)"
+        )
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise RegistryError(
+            f"{where} does not match {MANIFEST_SCHEMA}: {loc}: {first['msg']} "
+            f"({exc.error_count()} problem(s))"
+        ) from None
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = directory / MANIFEST_NAME
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise RegistryError(f"no artifact at {directory} ({MANIFEST_NAME} missing)") from None
+    return parse_manifest(text, path)

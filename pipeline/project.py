@@ -1,0 +1,270 @@
+"""One recipe's project: the recipe, its artifact layout and the registry, and what the commands do
+with them (build, the shared source and reference steps, the report). Commands are thin calls."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import Layout, artifacts_root, build_lock, file_entries, publish, write_json_atomic
+from pipeline.constants import MANIFEST_NAME, MANIFEST_SCHEMA, STATUS_UNAVAILABLE
+from pipeline.errors import DiskFullError, PipelineError, RecipeError, RegistryError
+from pipeline.hashing import json_sha256
+from pipeline.manifest import BuildInfo, Manifest, ServeInfo, read_manifest, write_manifest
+from pipeline.recipe import LoadedRecipe, load_recipe
+from pipeline.registry import Registry
+from pipeline.source import resolve_source
+from pipeline.targets import BuildContext, Target
+from pipeline.targets.base import NullReporter, Reporter
+from pipeline.workers.protocol import is_disk_full
+
+# What `dvc metrics show` and the report list for each target (besides status, engine, size).
+METRIC_COLUMNS = (
+    "ppl", "ppl_ref", "ppl_delta_pct", "kld_mean", "kld_topk_mean", "token_agreement", "top1_agreement",
+    "tokens_per_s",
+)  # fmt: skip
+
+
+@dataclass
+class TargetResult:
+    """What happened to one target: built, up-to-date, planned, unavailable or error."""
+
+    target: str
+    outcome: str
+    path: Path
+    validation: str | None = None  # the primary engine's verdict
+    engines: dict[str, str] = field(default_factory=dict)  # every engine's verdict
+    message: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    exit_code: int = 0
+    plan: dict[str, Any] | None = None  # dry runs: commands and configs the build would use
+
+    @property
+    def failed(self) -> bool:
+        """Built, and some engine's verdict is `failed` (the primary's or another's)."""
+        return self.validation == "failed" or "failed" in self.engines.values()
+
+
+@dataclass(frozen=True)
+class Project:
+    """A loaded recipe, where its artifacts live, and the registry that indexes them."""
+
+    loaded: LoadedRecipe
+    layout: Layout
+    registry: Registry
+
+    @classmethod
+    def open(cls, recipe_path: str | Path, root: Path | None = None) -> Project:
+        """Load and check the recipe (a RecipeError names every problem); artifacts under `root`
+        (default: PIPELINE_ARTIFACTS, else ./artifacts)."""
+        loaded = load_recipe(recipe_path)
+        root = root or artifacts_root()
+        return cls(loaded, Layout(root, loaded.recipe.name), Registry(root))
+
+    def select(self, names: list[str] | None) -> dict[str, Target]:
+        """The targets to build: all, or the named ones (unknown names are errors)."""
+        targets: dict[str, Target] = dict(self.loaded.recipe.targets)  # type: ignore[arg-type]
+        unknown = [n for n in names or [] if n not in targets]
+        if unknown:
+            raise RecipeError(
+                f"unknown target(s) {', '.join(unknown)} in recipe {self.loaded.recipe.name!r} "
+                f"(known: {', '.join(targets)})"
+            )
+        return {n: targets[n] for n in names} if names else targets
+
+    def context(self, reporter: Reporter | None = None, threads: int = 0) -> BuildContext:
+        return BuildContext(
+            loaded=self.loaded,
+            source_resolver=lambda: resolve_source(self.loaded, self.layout.logs_dir / "source.log"),
+            layout=self.layout,
+            reporter=reporter or NullReporter(),
+            threads=threads,
+        )
+
+    def plan(self, names: list[str] | None = None) -> list[TargetResult]:
+        """What a build would do, without resolving the source or building anything."""
+        return [
+            TargetResult(
+                name, "planned", self.layout.target_dir(name), message=spec.describe(),
+                plan=spec.plan(self.layout, name),
+            )
+            for name, spec in self.select(names).items()
+        ]  # fmt: skip
+
+    def build(
+        self,
+        names: list[str] | None = None,
+        *,
+        force: bool = False,
+        reporter: Reporter | None = None,
+        threads: int = 0,
+    ) -> list[TargetResult]:
+        """Build the selected targets; one target's failure does not stop the others.
+
+        A target whose engine this host lacks is `unavailable` (nothing built, nothing recorded).
+        A full disk stops the build (every later target would fail the same way). The source is
+        resolved when the first target needs it.
+        """
+        ctx = self.context(reporter, threads)
+        results = []
+        for name, spec in self.select(names).items():
+            t0 = time.perf_counter()
+            try:
+                result = self._build_target(ctx, name, spec, force)
+            except DiskFullError:
+                raise
+            except PipelineError as exc:
+                result = TargetResult(
+                    name, "error", self.layout.target_dir(name), message=str(exc), exit_code=exc.exit_code
+                )
+            result.seconds = time.perf_counter() - t0
+            results.append(result)
+        return results
+
+    def prepare_source(self) -> Path:
+        """Resolve the source and write its record (the DVC `source` stage's output)."""
+        source = resolve_source(self.loaded, self.layout.logs_dir / "source.log")
+        write_json_atomic(
+            self.layout.source_record, {"recipe": self.loaded.recipe.name, "source": source.info}
+        )
+        return self.layout.source_record
+
+    def prepare_reference(self, reporter: Reporter | None = None) -> Path:
+        """Compute (or reuse) the transformers reference (the DVC `reference` stage's output)."""
+        return self.context(reporter).reference()[1]
+
+    def report(self) -> list[dict[str, Any]]:
+        """Every target's metrics as one list (the DVC size-vs-ΔPPL scatter's data)."""
+        rows = []
+        for target in self.loaded.recipe.targets:
+            for path in (self.layout.metrics_path(target), self.layout.metrics_path(target, gpu_host=True)):
+                if path.is_file():
+                    rows.append({"target": target, **json.loads(path.read_text())})
+        write_json_atomic(self.layout.report_path, rows)
+        return rows
+
+    def _build_target(self, ctx: BuildContext, name: str, spec: Target, force: bool) -> TargetResult:
+        reason = spec.unavailable(ctx, name)
+        if reason is not None:
+            final = self.layout.target_dir(name)
+            return TargetResult(
+                name, STATUS_UNAVAILABLE, final, validation=STATUS_UNAVAILABLE, message=reason
+            )
+        with build_lock(self.layout, name):
+            return self._build_target_locked(ctx, name, spec, force)
+
+    def _build_target_locked(self, ctx: BuildContext, name: str, spec: Target, force: bool) -> TargetResult:
+        final = self.layout.target_dir(name)
+        toolchain = {env: ctx.versions(env) for env in spec.recorded_environments()}
+        serve_command = spec.serve_command(self.loaded.recipe.serve)
+        inputs = inputs_sha256(ctx, name, spec, toolchain, serve_command)
+        if not force and (final / MANIFEST_NAME).is_file():
+            try:
+                old = read_manifest(final)
+            except RegistryError:
+                old = None  # another schema or a damaged manifest: rebuild
+            if old is not None and old.build.inputs_sha256 == inputs:
+                self.registry.register(final)
+                self._write_metrics(name, old, spec.gpu_host)
+                return _result(name, "up-to-date", final, old)
+
+        t0 = time.perf_counter()
+        staging = self.layout.new_staging(name)
+        try:
+            ctx.reporter.step(name, "building")
+            built = spec.build(ctx, name, staging)
+            build_s = time.perf_counter() - t0
+            files = file_entries(staging)
+            validation = spec.validate(ctx, name, staging)
+            manifest = Manifest(
+                schema=MANIFEST_SCHEMA,
+                recipe=self.loaded.recipe.name,
+                recipe_sha256=self.loaded.sha256,
+                recipe_path=str(self.loaded.path),
+                target=name,
+                kind=spec.kind,
+                engine=spec.primary_engine(),
+                format=spec.format,
+                quant=built.quant,
+                source=ctx.source.info,
+                files=files,
+                toolchain=toolchain,
+                build=BuildInfo(
+                    seconds=round(build_s, 2),
+                    gpu_arch=built.gpu_arch,
+                    profile=built.profile,
+                    inputs_sha256=inputs,
+                    finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                    spec=spec.model_dump(exclude={"gates"}),
+                ),
+                validation=validation,
+                serve=ServeInfo(command=serve_command),
+                gguf=built.gguf,
+                quantization=built.quantization,
+                trtllm=built.trtllm,
+            )
+            write_manifest(staging, manifest)
+            publish(staging, final)
+            self.registry.register(final)
+            self._write_metrics(name, manifest, spec.gpu_host)
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise DiskFullError(f"{name}: no space left on device in {self.layout.recipe_dir}") from None
+            raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return _result(name, "built", final, manifest)
+
+    def _write_metrics(self, target: str, manifest: Manifest, gpu_host: bool) -> None:
+        """One target's numbers, for `dvc metrics show` and the recipe's report."""
+        v = manifest.validation
+        m = v.metrics.model_dump() if v.metrics else {}
+        record = {
+            "status": v.status,
+            "engine": manifest.engine,
+            "quant": manifest.quant,
+            "size_mib": round(manifest.size_bytes / 2**20, 2),
+            "verdicts": {engine: verdict.status for engine, verdict in v.engines.items()},
+            **{k: m.get(k) for k in METRIC_COLUMNS},
+        }
+        write_json_atomic(self.layout.metrics_path(target, gpu_host), record)
+
+
+def inputs_sha256(
+    ctx: BuildContext, name: str, spec: Target, toolchain: dict[str, Any], serve_command: str
+) -> str:
+    """Everything that decides an artifact's bytes and its validation numbers: the spec, the
+    source, the shared recipe sections, the reference's inputs, each environment's versions."""
+    r = ctx.loaded.recipe
+    return json_sha256(
+        {
+            "schema": MANIFEST_SCHEMA,
+            "target": name,
+            "spec": spec.model_dump(),
+            "source": ctx.source.sha256,
+            "calibration": r.calibration.model_dump() if r.calibration else None,
+            "reference": ctx.reference_inputs(),
+            "serve": serve_command,  # carries the recipe's serving knobs this target uses
+            "toolchain": toolchain,
+        }
+    )
+
+
+def _result(name: str, outcome: str, path: Path, manifest: Manifest) -> TargetResult:
+    v = manifest.validation
+    failed = [f"{e}: {x.reason}" for e, x in v.engines.items() if x.status == "failed" and e != v.engine]
+    return TargetResult(
+        name,
+        outcome,
+        path,
+        validation=v.status,
+        engines={engine: verdict.status for engine, verdict in v.engines.items()},
+        message="; ".join(filter(None, [v.reason, *failed])) or None,
+        metrics=v.metrics.model_dump() if v.metrics else {},
+    )

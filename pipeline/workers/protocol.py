@@ -1,0 +1,55 @@
+"""The worker side of a step: read REQUEST.json, run one op, write RESULT.json (stdlib only: this
+module is imported by the core and inside every tool environment)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Op = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC/EDQUOT, or numpy's own preallocation message (an OSError without errno)."""
+    if not isinstance(exc, OSError):
+        return False
+    return (
+        exc.errno in (errno.ENOSPC, errno.EDQUOT) or "free space" in str(exc) or "No space left" in str(exc)
+    )
+
+
+def installed_versions(*dists: str) -> dict[str, str]:
+    """Versions of the named distributions installed in this environment (absent ones left out)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for dist in dists:
+        with contextlib.suppress(PackageNotFoundError):
+            found[dist] = version(dist)
+    return found
+
+
+def worker_main(ops: dict[str, Op]) -> None:
+    """Entry point of a worker module: dispatch REQUEST.json's op, write RESULT.json."""
+    req_path, res_path = Path(sys.argv[1]), Path(sys.argv[2])
+    request = json.loads(req_path.read_text())
+    op = request.get("op")
+    try:
+        if op not in ops:
+            raise ValueError(f"unknown op {op!r} (known: {', '.join(ops)})")
+        result = ops[op](request)
+    except Exception as exc:  # reported to the core as one line; the traceback goes to the log
+        traceback.print_exc()
+        message = (str(exc).splitlines() or [""])[0] or type(exc).__name__
+        disk_full = is_disk_full(exc)
+        if disk_full:
+            message = f"no space left on device ({message})"
+        result = {"error": message, "disk_full": disk_full}
+    sys.stdout.flush()
+    res_path.write_text(json.dumps(result))

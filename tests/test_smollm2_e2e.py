@@ -184,6 +184,9 @@ def test_interrupted_stage_loses_nothing(workspace: Path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        # a shell's background job starts with SIGINT ignored, and Python then never raises
+        # KeyboardInterrupt: give the stage the disposition a person's terminal gives it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
     while not list((workspace / "artifacts/smollm2-135m").glob(".staging-gguf-q4_0-*")):

@@ -4,10 +4,8 @@
 MANIFEST_NAME = "manifest.json"
 MANIFEST_SCHEMA = "pipeline.artifact/v2"  # v2: toolchain per environment, a verdict per engine
 
-# Validation statuses a manifest may carry.
+# Validation statuses the core compares against (all of them: pipeline.manifest.Status).
 STATUS_PASSED = "passed"
-STATUS_FAILED = "failed"
-STATUS_SKIPPED = "skipped"
 STATUS_UNAVAILABLE = "unavailable"
 
 # In every cached step's directory: the hash of the inputs it was computed from (hidden, so a

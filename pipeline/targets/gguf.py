@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator, model_validator
 
+from pipeline.artifacts import read_key
 from pipeline.constants import (
     ENGINE_LLAMACPP,
     ENV_LLAMACPP,
@@ -149,7 +150,7 @@ class GgufTarget(Target):
 
         inputs = {
             **record,
-            "base": file_sha256(base),
+            "base": read_key(base.parent),  # the F16 base's own inputs (not a hash of its 15 GB at 7B)
             "toolchain": ctx.versions(ENV_TRANSFORMERS),
             "selection": SELECTION_VERSION,
         }

@@ -349,16 +349,3 @@ def _file_problems(loaded: LoadedRecipe) -> list[str]:
     if r.source.path and not loaded.resolve_path(r.source.path).is_dir():
         problems.append(f"source.path: directory {r.source.path!r} not found")
     return problems
-
-
-def select_targets(recipe: Recipe, names: list[str] | None) -> dict[str, TargetSpec]:
-    """The targets to build: all, or the named ones (unknown names are errors)."""
-    if not names:
-        return dict(recipe.targets)
-    unknown = [n for n in names if n not in recipe.targets]
-    if unknown:
-        raise RecipeError(
-            f"unknown target(s) {', '.join(unknown)} in recipe {recipe.name!r} "
-            f"(known: {', '.join(recipe.targets)})"
-        )
-    return {n: recipe.targets[n] for n in names}

@@ -15,6 +15,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,13 +98,93 @@ def environment_exists(env: str) -> bool:
     return environment(env).exists
 
 
+@dataclass(frozen=True)
+class StepUsage:
+    """What one step cost: wall time and the peaks of its process group's resident memory (the
+    worker and every process it started: an engine's core process, a server) and of the GPU's
+    used memory (device-wide, as nvidia-smi reports it; None where there is no NVIDIA GPU)."""
+
+    env: str
+    op: str
+    log: str
+    seconds: float
+    peak_rss_mib: float
+    peak_gpu_mib: float | None
+
+
+class UsageSampler:
+    """Samples a process group's summed RSS (from /proc) and the GPU's used memory in a thread."""
+
+    def __init__(self, pgid: int, interval_s: float = 0.5) -> None:
+        self.pgid, self.interval_s = pgid, interval_s
+        self.peak_rss = 0
+        self.peak_gpu_mib: float | None = None
+        self._nvidia_smi = shutil.which("nvidia-smi")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> UsageSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def sample(self) -> None:
+        self.peak_rss = max(self.peak_rss, group_rss_bytes(self.pgid))
+        if self._nvidia_smi:
+            used = gpu_memory_used_mib(self._nvidia_smi)
+            if used is not None:
+                self.peak_gpu_mib = max(self.peak_gpu_mib or 0.0, used)
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """Summed VmRSS of the processes in process group `pgid` (Linux /proc; 0 elsewhere)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # after "pid (comm)": state, ppid, pgrp
+                continue
+            for line in (stat.parent / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+    return total
+
+
+def gpu_memory_used_mib(nvidia_smi: str) -> float | None:
+    """Memory used on the GPUs, summed (MiB), or None when nvidia-smi does not answer."""
+    try:
+        out = subprocess.run(
+            [nvidia_smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+        return float(sum(float(v) for v in out.split()))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
 def run_step(
-    env: str, request: dict[str, Any], log_path: Path, timeout_s: float | None = None
+    env: str,
+    request: dict[str, Any],
+    log_path: Path,
+    timeout_s: float | None = None,
+    on_usage: Callable[[StepUsage], None] | None = None,
 ) -> dict[str, Any]:
     """Run one op of env's worker in env; return its JSON result or raise a one-line error.
 
     The step's stdout/stderr go to `log_path` (appended) so a crash leaves its evidence. Past
     `timeout_s` the step and every process it started (an engine server, say) are killed.
+    `on_usage` receives what the step cost (StepUsage), also when it failed.
     """
     spec = environment(env)
     python, module = spec.interpreter, spec.worker
@@ -130,8 +213,11 @@ def run_step(
                     f"environment {env!r}: cannot start {python}: {exc.strerror}. "
                     f"To resolve, run scripts/setup.sh or set PIPELINE_{env.upper()}_PYTHON"
                 ) from None
+            t0 = time.perf_counter()
+            sampler = UsageSampler(proc.pid)
             try:
-                proc.wait(timeout=timeout_s)
+                with sampler:
+                    proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 raise EngineError(
@@ -140,6 +226,14 @@ def run_step(
             except BaseException:
                 _kill_group(proc)
                 raise
+            finally:
+                if on_usage is not None:
+                    on_usage(
+                        StepUsage(
+                            env, op, log_path.stem, round(time.perf_counter() - t0, 2),
+                            round(sampler.peak_rss / 2**20, 1), sampler.peak_gpu_mib,
+                        )
+                    )  # fmt: skip
             _kill_group(proc)  # whatever the step left running (a server it started)
         result = json.loads(res.read_text()) if res.is_file() and res.stat().st_size else None
     if result is not None and "error" in result:

@@ -90,6 +90,18 @@ class Validation(_Model):
         return [name for name, v in self.engines.items() if v.status == "failed"]
 
 
+class StepRecord(_Model):
+    """One step a build ran in a tool environment: wall time, peak RSS of its process group, peak
+    GPU memory in use (device-wide; None without an NVIDIA GPU). pipeline.environments.StepUsage."""
+
+    env: str
+    op: str
+    log: str
+    seconds: float
+    peak_rss_mib: float
+    peak_gpu_mib: float | None = None
+
+
 class BuildInfo(_Model):
     seconds: float
     gpu_arch: str | None = None
@@ -97,6 +109,7 @@ class BuildInfo(_Model):
     inputs_sha256: str
     finished_at: str
     spec: dict[str, Any]
+    steps: list[StepRecord] = []  # the steps this build ran (cached ones it reused are absent)
 
 
 class ServeInfo(_Model):

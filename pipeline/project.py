@@ -15,7 +15,7 @@ from pipeline.artifacts import Layout, artifacts_root, build_lock, file_entries,
 from pipeline.constants import MANIFEST_NAME, MANIFEST_SCHEMA, STATUS_UNAVAILABLE
 from pipeline.errors import DiskFullError, PipelineError, RecipeError, RegistryError
 from pipeline.hashing import json_sha256
-from pipeline.manifest import BuildInfo, Manifest, ServeInfo, read_manifest, write_manifest
+from pipeline.manifest import BuildInfo, Manifest, ServeInfo, StepRecord, read_manifest, write_manifest
 from pipeline.recipe import LoadedRecipe, load_recipe
 from pipeline.registry import Registry
 from pipeline.source import resolve_source
@@ -175,6 +175,7 @@ class Project:
                 return _result(name, "up-to-date", final, old)
 
         t0 = time.perf_counter()
+        first_step = len(ctx.steps)
         staging = self.layout.new_staging(name)
         try:
             ctx.reporter.step(name, "building")
@@ -202,6 +203,7 @@ class Project:
                     inputs_sha256=inputs,
                     finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
                     spec=spec.model_dump(exclude={"gates"}),
+                    steps=[StepRecord(**vars(u)) for u in ctx.steps[first_step:]],
                 ),
                 validation=validation,
                 serve=ServeInfo(command=serve_command),

@@ -142,6 +142,8 @@ class SglangServe(Strict):
 
     context_length: int = Field(4096, ge=16)
     mem_fraction_static: float = Field(0.85, gt=0, le=1)
+    # None: SGLang's own choice (FlashAttention 3 on Hopper); "triton" where FA3 is not installed
+    attention_backend: Literal["triton", "fa3", "flashinfer", "torch_native"] | None = None
 
 
 class TrtllmServe(Strict):

@@ -86,5 +86,12 @@ def not_run(status: Status, reason: str, **details: Any) -> EngineVerdict:
 
 
 def reference_record(reference: dict[str, Any]) -> dict[str, Any]:
-    """What the manifest says about the reference the numbers are relative to."""
-    return {"engine": "transformers", "toolchain": reference["toolchain"], "dtype": "float32"}
+    """What the manifest says about the reference the numbers are relative to: the precision and
+    device it ran in (chosen from the model size and free memory: pipeline.workers.reference)."""
+    place = reference.get("placement") or {"dtype": "float32", "device": "cpu"}  # made before placement
+    return {
+        "engine": "transformers",
+        "toolchain": reference["toolchain"],
+        "dtype": place["dtype"],
+        "device": place.get("device_name", place["device"]),
+    }

@@ -81,6 +81,13 @@ def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_art
     assert verdict["status"] == "passed" and verdict["engine_version"] == entry_version(f16)
     assert verdict["generations"] and verdict["generations"][0]["agreement"] == 1.0
 
+    placement = verdict["details"]["placement"]  # this CPU build: no offload, the threads asked for
+    assert placement == {"gpu_offload": False, "n_gpu_layers": 0, "threads": 2}
+    assert f16["validation"]["reference"]["dtype"] == "float32"  # a tiny model fits: the exact one
+    ops = [(s["env"], s["op"]) for s in f16["build"]["steps"]]
+    assert ("llamacpp", "convert") in ops and ops[-1] == ("llamacpp", "validate"), ops
+    assert all(s["seconds"] > 0 and s["peak_rss_mib"] > 10 for s in f16["build"]["steps"])
+
     q4 = read_json(root / "gguf-q4_0" / MANIFEST_NAME)
     assert set(q4["toolchain"]) == {"llamacpp", "transformers"}  # imatrix: transformers hooks
     assert q4["gguf"]["tensor_types"].get("Q4_0", 0) > 0

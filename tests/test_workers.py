@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.environments import environment, run_step
+from pipeline.environments import StepUsage, environment, group_rss_bytes, run_step
 from pipeline.errors import EngineError
 
 
@@ -105,3 +105,39 @@ def test_serve_check_refuses_a_port_in_use(tmp_path: Path) -> None:
         port = s.getsockname()[1]
         with pytest.raises(EngineError, match=f"port {port} on 127.0.0.1 is already in use"):
             run_step("vllm", {"op": "serve_check", "port": port}, tmp_path / "log")
+
+
+def test_step_usage_is_recorded_for_a_step_and_a_failed_one(tmp_path: Path) -> None:
+    seen: list[StepUsage] = []
+    result = run_step("transformers", {"op": "toolchain"}, tmp_path / "ref.log", on_usage=seen.append)
+    assert result["toolchain"]["transformers"]
+    with pytest.raises(EngineError, match="unknown op 'nope'"):
+        run_step("transformers", {"op": "nope"}, tmp_path / "ref.log", on_usage=seen.append)
+    assert [(u.env, u.op, u.log) for u in seen] == [
+        ("transformers", "toolchain", "ref"),
+        ("transformers", "nope", "ref"),
+    ]
+    assert all(u.seconds > 0 and u.peak_rss_mib > 5 for u in seen)
+
+
+def test_group_rss_counts_every_process_of_the_group() -> None:
+    """Two processes of one session holding 150 MiB each: the group's RSS is at least both."""
+    import subprocess
+    import sys
+    import time
+
+    hold = "b = bytearray(150 << 20); import time; time.sleep(30)"
+    script = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {hold!r}]); exec({hold!r})"
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        peak = 0
+        for _ in range(100):
+            peak = max(peak, group_rss_bytes(proc.pid))
+            if peak > 300 << 20:
+                break
+            time.sleep(0.1)
+        assert peak > 300 << 20, peak
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    assert group_rss_bytes(proc.pid) == 0

@@ -21,11 +21,13 @@ VALIDATE_TIMEOUT_S = 1800
 
 def serve_command(model_quantization: str, dtype: str, ctx: BuildContext) -> str:
     serve = ctx.loaded.recipe.serve
+    backend = serve.sglang.attention_backend
     return (
         "python -m sglang.launch_server --model-path ${ARTIFACT_DIR} "
         f"--quantization {model_quantization} --dtype {dtype} --host {serve.host} --port {serve.port} "
         f"--context-length {serve.sglang.context_length} "
         f"--mem-fraction-static {serve.sglang.mem_fraction_static}"
+        + (f" --attention-backend {backend}" if backend else "")
     )
 
 
@@ -56,10 +58,14 @@ def validate(
                 "reference_dir": str(ref_dir),
                 "max_new_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
                 "mem_fraction_static": ctx.loaded.recipe.serve.sglang.mem_fraction_static,
+                "attention_backend": ctx.loaded.recipe.serve.sglang.attention_backend,
             },
             name,
             timeout_s=VALIDATE_TIMEOUT_S,
         )
     except EngineError as exc:  # SGLang's crash is SGLang's verdict; the vLLM one still stands
         return not_run("failed", str(exc), **details)
-    return verdict(ctx, ENGINE_SGLANG, got, ref, gates, {"startup_s": got["startup_s"]}, **details)
+    return verdict(
+        ctx, ENGINE_SGLANG, got, ref, gates, {"startup_s": got["startup_s"]},
+        settings=got["settings"], device=got["device"], **details,
+    )  # fmt: skip

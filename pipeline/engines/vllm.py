@@ -97,6 +97,7 @@ def validate(
         quantization=got["quantization"],
         device=got["device"],
         engine_env=got["engine_env"],
+        settings=got["settings"],
         engine_reference={"ppl": source["ppl"], "kld_topk_mean": source["kld_topk_mean"], "dtype": dtype},
     )
     if serve_command is not None:

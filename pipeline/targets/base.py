@@ -15,7 +15,7 @@ from pydantic import model_validator
 
 from pipeline.artifacts import Layout, cached_step, read_key
 from pipeline.constants import ENGINE_KLD_METRIC, ENV_TRANSFORMERS, GPU_ARCHS, KLD_GATES
-from pipeline.environments import run_step
+from pipeline.environments import StepUsage, run_step
 from pipeline.hashing import file_sha256, json_sha256
 from pipeline.manifest import Validation
 from pipeline.recipe import CalibrationOverride, LoadedRecipe, ServeSpec, TargetSpec
@@ -42,6 +42,7 @@ class BuildContext:
     layout: Layout
     reporter: Reporter = field(default_factory=NullReporter)
     threads: int = 0  # 0: let the engine decide
+    steps: list[StepUsage] = field(default_factory=list)  # every step run so far, in order
     _toolchains: dict[str, dict[str, Any]] = field(default_factory=dict)
     _reference: dict[str, Any] | None = None
     _source: ResolvedSource | None = None
@@ -60,8 +61,9 @@ class BuildContext:
     def step(
         self, env: str, request: dict[str, Any], log: str, timeout_s: float | None = None
     ) -> dict[str, Any]:
-        """Run one op of env's worker (pipeline.environments.run_step), logging to `<log>.log`."""
-        return run_step(env, request, self.log_path(log), timeout_s)
+        """Run one op of env's worker (pipeline.environments.run_step), logging to `<log>.log`;
+        what it cost is appended to `steps`."""
+        return run_step(env, request, self.log_path(log), timeout_s, on_usage=self.steps.append)
 
     def toolchain(self, env: str) -> dict[str, Any]:
         """What env's worker says of itself: `toolchain` (versions), sometimes `gpu`; asked once."""

@@ -183,7 +183,7 @@ class GgufTarget(Target):
             name,
         )
         extra = {"load_s": got["load_s"], "tokenizer_prefix_match": got["tokenizer_prefix_match"]}
-        result = verdict(ctx, ENGINE_LLAMACPP, got, ref, self.gates, extra)
+        result = verdict(ctx, ENGINE_LLAMACPP, got, ref, self.gates, extra, placement=got["placement"])
         if got["eos_token_id"] not in ref["eos_token_ids"]:
             result.status = "failed"
             result.reason = (

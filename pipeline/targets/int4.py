@@ -111,6 +111,7 @@ class Int4Target(Target):
                 "library": "llm-compressor",
                 "library_version": result["toolchain"]["llmcompressor"],
                 "seconds": round(result["seconds"], 1),
+                "device": result["device"],
                 "calibration": {
                     "dataset": cal.dataset,
                     "dataset_sha256": file_sha256(Path(request["text_path"])),

@@ -144,7 +144,8 @@ class ModeloptTarget(Target):
             )
             return Validation.of(engine, {engine: not_run("skipped", reason)}, None)
         ref, _ = ctx.reference()
-        result = vllm.validate(ctx, name, artifact, self.dtype, self.gates, serve_command=None)
+        serve = self.serve_command(ctx.loaded.recipe.serve)
+        result = vllm.validate(ctx, name, artifact, self.dtype, self.gates, serve_command=serve)
         return Validation.of(engine, {engine: result}, reference_record(ref))
 
     def serve_command(self, serve: ServeSpec) -> str:

@@ -157,13 +157,19 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
     ref = req["reference"]
     ctx = ref["ctx"]
     longest = max(len(g["prompt_ids"]) for g in ref["generations"]) + req["max_new_tokens"] + 8
+    # Every layer on the GPU when this build of llama.cpp has a GPU backend; all cores otherwise
+    # (llama-cpp-python's default is half of them).
+    offload = bool(llama_cpp.llama_supports_gpu_offload())
+    threads = req.get("threads") or os.cpu_count() or 1
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(
         model_path=req["gguf_path"],
         n_ctx=max(ctx, longest),
         n_batch=ctx,
         logits_all=True,
-        n_threads=req.get("threads") or os.cpu_count(),  # llama-cpp-python's default is half
+        n_gpu_layers=-1 if offload else 0,
+        n_threads=threads,
+        n_threads_batch=threads,
         seed=0,
         verbose=False,
     )
@@ -200,6 +206,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         **generation_scores(records, gen_s),
         "prompt_tokens_per_s": scorer.predicted / eval_s if eval_s else None,
         "load_s": load_s,
+        "placement": {"gpu_offload": offload, "n_gpu_layers": -1 if offload else 0, "threads": threads},
         "eos_token_id": llm.token_eos(),
         "tokenizer_prefix_match": common_prefix(ours_ids, eval_ids) / len(eval_ids),
     }

@@ -104,6 +104,8 @@ def op_quantize(req: dict[str, Any]) -> dict[str, Any]:
         "seconds": seconds,
         "chunks": len(chunks),
         "tokens": sum(len(c) for c in chunks),
+        # llm-compressor onloads each layer to the accelerator when there is one
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "toolchain": _versions(),
     }
 

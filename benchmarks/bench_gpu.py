@@ -1,0 +1,304 @@
+"""GPU build-host benchmark: `pipeline build` step by step next to each tool called directly.
+
+Prints numbers and writes them as JSON rows + a markdown table (benchmarks/results/). For every
+target named: `pipeline build RECIPE --targets T` in its own process, as a build server runs it;
+each step's wall time, peak RSS (its process group) and peak GPU memory come from the manifest's
+`build.steps`. Then the same step run by the tool itself (benchmarks/raw_tools.py, same settings,
+same environment, same session) under the same sampler, and the ratio project/raw.
+
+    python benchmarks/bench_gpu.py make-checkpoint DIR --arch qwen2|llama --tokenizer SRC
+    python benchmarks/bench_gpu.py run RECIPE --targets awq,gptq --model NAME --json OUT.json
+
+`make-checkpoint` writes Qwen2-7B-Instruct's shapes (pipeline.constants.KNOWN_HUB_CONFIGS) with
+random bfloat16 weights, initialised on the GPU, and SRC's tokenizer; `--arch llama` declares the
+same shapes as a Llama (llama.cpp's converter refuses SmolLM2's tokenizer under Qwen2: "BPE
+pre-tokenizer was not recognized").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pipeline.constants import GGUF_QUANTS, KNOWN_HUB_CONFIGS  # noqa: E402
+from pipeline.environments import UsageSampler, environment  # noqa: E402
+from pipeline.project import Project  # noqa: E402
+
+RAW = REPO / "benchmarks" / "raw_tools.py"
+
+
+def make_checkpoint(out: Path, arch: str, tokenizer: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    shape = KNOWN_HUB_CONFIGS["Qwen/Qwen2-7B-Instruct"]
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    cfg = AutoConfig.for_model(
+        arch,
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"],
+        num_hidden_layers=shape["num_hidden_layers"],
+        vocab_size=shape["vocab_size"],
+        tie_word_embeddings=bool(shape["tie_word_embeddings"]),
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out, max_shard_size="4GB")
+    tok.save_pretrained(out)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{out}: {arch} {n / 1e9:.2f}B parameters, written in {time.perf_counter() - t0:.0f}s")
+
+
+def sampled(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `cmd` in its own session under the pipeline's step sampler: seconds, peaks, exit code."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=sys.stderr, stderr=sys.stderr)
+    with UsageSampler(proc.pid) as sampler:
+        proc.wait()
+    return {
+        "seconds": round(time.perf_counter() - t0, 2),
+        "peak_rss_mib": round(sampler.peak_rss / 2**20, 1),
+        "peak_gpu_mib": sampler.peak_gpu_mib,
+        "rc": proc.returncode,
+    }
+
+
+def raw_step(env_name: str, tool: str, request: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(request, f)
+    try:
+        return sampled([environment(env_name).interpreter, str(RAW), tool, f.name])
+    finally:
+        os.unlink(f.name)
+
+
+def raw_requests(project: Project, target: str, work: Path) -> list[tuple[str, str, str, dict[str, Any]]]:
+    """(pipeline step op, env, raw tool, request) for each step of `target` a tool can run alone."""
+    from pipeline.targets.gguf import GgufTarget
+    from pipeline.targets.int4 import Int4Target
+    from pipeline.targets.modelopt import ModeloptTarget, checkpoint_request
+    from pipeline.workers.llamacpp import llama_cpp_dir
+
+    ctx = project.context()
+    spec = project.loaded.recipe.targets[target]
+    r = project.loaded.recipe
+    out = work / f"raw-{target}"
+    steps: list[tuple[str, str, str, dict[str, Any]]] = []
+    if isinstance(spec, GgufTarget):
+        base = work / "raw-base.gguf"
+        convert = {
+            "llama_cpp_dir": str(llama_cpp_dir()),
+            "model_dir": str(ctx.source.path),
+            "out_path": str(base),
+            "outtype": "f16",
+        }
+        steps.append(("convert", "llamacpp", "convert", convert))
+        stage, ftype = GGUF_QUANTS[spec.quant]
+        if stage == "quantize":
+            steps.append(
+                (
+                    "quantize",
+                    "llamacpp",
+                    "quantize",
+                    {"in_path": str(base), "out_path": str(out) + ".gguf", "ftype": ftype},
+                )
+            )
+        return steps
+    if isinstance(spec, Int4Target):
+        steps.append(
+            ("quantize", "llmcompressor", "llmcompressor", spec.quantize_request(ctx, ctx.source.path, out))
+        )
+    elif isinstance(spec, ModeloptTarget):
+        request = checkpoint_request(
+            ctx, out, export="hf", quant=spec.quant, dtype=spec.dtype, calibration=spec.calibration
+        )
+        steps.append(("checkpoint", "modelopt", "modelopt", request))
+    else:
+        return steps
+    ref, _ = ctx.reference()
+    built = project.layout.target_dir(target)
+    steps.append(
+        (
+            "validate",
+            "vllm",
+            "vllm",
+            {
+                "model_dir": str(built),
+                "dtype": spec.dtype,
+                "reference": ref,
+                "max_new_tokens": r.smoke.max_new_tokens,
+                "gpu_memory_utilization": r.serve.vllm.gpu_memory_utilization,
+            },
+        )
+    )
+    return steps
+
+
+def run(recipe: Path, targets: list[str], model: str, json_out: Path, raw_ops: set[str]) -> None:
+    project = Project.open(recipe)
+    work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    device = _device()
+    rows = json.loads(json_out.read_text()) if json_out.is_file() else []
+    for target in targets:
+        cmd = [sys.executable, "-m", "pipeline", "build", str(recipe), "--targets", target, "--force"]
+        whole = sampled(cmd)
+        manifest_path = project.layout.target_dir(target) / "manifest.json"
+        if not manifest_path.is_file():
+            rows.append(
+                {
+                    "target": target,
+                    "model": model,
+                    "device": device,
+                    "status": "error",
+                    "reason": f"pipeline build exited {whole['rc']}",
+                    "seconds": whole["seconds"],
+                }
+            )
+            continue
+        m = json.loads(manifest_path.read_text())
+        v = m["validation"]
+        steps = m["build"]["steps"]
+        raw = []
+        for op, env_name, tool, request in raw_requests(project, target, work):
+            if op not in raw_ops:
+                continue
+            ours = [s for s in steps if s["op"] == op and s["env"] == env_name and s["log"] == target]
+            measured = raw_step(env_name, tool, request)
+            raw.append(
+                {
+                    "step": f"{env_name}:{op}",
+                    "project_s": ours[-1]["seconds"] if ours else None,
+                    "raw_s": measured["seconds"],
+                    "raw_rc": measured["rc"],
+                    "ratio": round(ours[-1]["seconds"] / measured["seconds"], 3) if ours else None,
+                    "project_peak_rss_mib": ours[-1]["peak_rss_mib"] if ours else None,
+                    "raw_peak_rss_mib": measured["peak_rss_mib"],
+                    "project_peak_gpu_mib": ours[-1]["peak_gpu_mib"] if ours else None,
+                    "raw_peak_gpu_mib": measured["peak_gpu_mib"],
+                }
+            )
+        for engine, verdict in v["engines"].items():
+            vm = verdict.get("metrics") or {}
+            rows.append(
+                {
+                    "target": target,
+                    "model": model,
+                    "engine": engine,
+                    "engine_version": verdict.get("engine_version"),
+                    "device": device,
+                    "status": verdict["status"],
+                    "reason": verdict.get("reason"),
+                    "quant": m["quant"],
+                    "size_mib": round(sum(f["bytes"] for f in m["files"]) / 2**20, 1),
+                    "ppl_delta_pct": vm.get("ppl_delta_pct"),
+                    "kld": vm.get("kld_mean") if vm.get("kld_mean") is not None else vm.get("kld_topk_mean"),
+                    "kld_metric": "kld_mean" if vm.get("kld_mean") is not None else "kld_topk_mean",
+                    "token_agreement": vm.get("token_agreement"),
+                    "tokens_per_s": vm.get("tokens_per_s"),
+                    "serve_check": (verdict.get("details") or {}).get("serve_check", {}).get("ok"),
+                    "seconds": whole["seconds"],
+                    "build_seconds": m["build"]["seconds"],
+                    "peak_rss_mib": max((s["peak_rss_mib"] for s in steps), default=None),
+                    "peak_gpu_mib": whole["peak_gpu_mib"],
+                    "reference": v.get("reference"),
+                    "steps": steps,
+                    "raw": raw,
+                    "primary": engine == v["engine"],
+                }
+            )
+        json_out.parent.mkdir(parents=True, exist_ok=True)  # after every target: a killed run keeps them
+        json_out.write_text(json.dumps(rows, indent=1) + "\n")
+        json_out.with_suffix(".md").write_text(markdown(rows))
+    print(markdown(rows))
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| model | target | engine | version | status | ΔPPL % | KLD | serve check | build s | "
+        "steps: project s / raw s (ratio) |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+
+        def num(v: Any, f: str) -> str:
+            return format(v, f) if isinstance(v, int | float) else "–"
+
+        raw = "; ".join(
+            f"{x['step']} {num(x['project_s'], '.1f')} / {num(x['raw_s'], '.1f')} ({num(x['ratio'], '.2f')})"
+            for x in r.get("raw", [])
+        )
+        kld = f"{num(r.get('kld'), '.4f')} ({r.get('kld_metric', '')})" if r.get("kld") is not None else "–"
+        lines.append(
+            f"| {r['model']} | {r['target']} | {r.get('engine', '–')} | {r.get('engine_version') or '–'} | "
+            f"{r['status']} | {num(r.get('ppl_delta_pct'), '+.2f')} | {kld} | "
+            f"{ {True: 'same ids', False: 'differs', None: '–'}[r.get('serve_check')] } | "
+            f"{num(r.get('build_seconds'), '.1f')} | {raw or '–'} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def _device() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return out.splitlines()[0] if out else platform.processor()
+    except (OSError, subprocess.SubprocessError):
+        return f"cpu ({platform.machine()})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    mk = sub.add_parser("make-checkpoint")
+    mk.add_argument("out", type=Path)
+    mk.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
+    mk.add_argument("--tokenizer", type=Path, required=True)
+    rn = sub.add_parser("run")
+    rn.add_argument("recipe", type=Path)
+    rn.add_argument("--targets", required=True)
+    rn.add_argument("--model", required=True)
+    rn.add_argument("--json", type=Path, required=True)
+    rn.add_argument(
+        "--raw-steps",
+        default="convert,quantize,checkpoint,validate",
+        help="pipeline step ops to repeat with the tool alone",
+    )
+    args = parser.parse_args()
+    if args.cmd == "make-checkpoint":
+        make_checkpoint(args.out, args.arch, args.tokenizer)
+    else:
+        targets = [t for t in args.targets.split(",") if t]
+        run(args.recipe, targets, args.model, args.json, set(args.raw_steps.split(",")))
+    print(f"finished {datetime.now(UTC).isoformat(timespec='seconds')}")
+
+
+if __name__ == "__main__":
+    main()

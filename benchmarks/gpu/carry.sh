@@ -36,13 +36,11 @@ case "${1:-}" in
       env=$(basename "$dir")
       site=/tmp/pipeline-site/$env
       rm -rf "$site" && mkdir -p "$site"
-      # llama-cpp-python's wheel is tagged for the Python that built it; its code is ctypes only
-      for w in "$dir"*.whl; do
-        case $(basename "$w") in
-          llama_cpp_python-*) python3 -m zipfile -e "$w" "$site" ;;
-          *) python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$w" ;;
-        esac
-      done
+      wheels=$(ls "$dir"*.whl | grep -v /llama_cpp_python- || true)
+      # shellcheck disable=SC2086  # one pip call for the whole set
+      [ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" $wheels
+      # llama-cpp-python's wheel (py3-none-linux_x86_64) holds ctypes code and its shared libraries
+      for w in "$dir"llama_cpp_python-*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" "$site"; done
       [ -d "$dir/llama.cpp" ] && cp -r "$dir/llama.cpp" /tmp/pipeline-site/llama.cpp
       mkdir -p "/tmp/pipeline-envs/$env"
       extra=""; [ "$env" != core ] && extra=":/tmp/pipeline-site/core"

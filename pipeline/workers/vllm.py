@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -181,12 +183,16 @@ def op_serve_check(req: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"port {port} on 127.0.0.1 is already in use")
     cmd = _argv(req["command"], req["model_dir"], port)
     t0 = time.perf_counter()
-    server = subprocess.Popen(cmd, stdout=sys.stdout, stderr=subprocess.STDOUT)
+    server_log = tempfile.NamedTemporaryFile("w+", prefix="vllm-server-", suffix=".log")  # noqa: SIM115
+    server = subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         while True:
             if server.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with code {server.returncode} before it was ready")
+                raise RuntimeError(
+                    f"vLLM server exited with code {server.returncode} before it was ready: "
+                    f"{last_error_line(Path(server_log.name).read_text(errors='replace'))}"
+                )
             if time.perf_counter() - t0 > req["ready_timeout_s"]:
                 raise RuntimeError(f"vLLM server not ready after {req['ready_timeout_s']}s")
             try:
@@ -233,6 +239,16 @@ def op_serve_check(req: dict[str, Any]) -> dict[str, Any]:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+        sys.stdout.write(Path(server_log.name).read_text(errors="replace"))  # into the step's log
+        server_log.close()
+
+
+def last_error_line(output: str) -> str:
+    """The line of a server's output that says why it stopped: the last `...Error: ...` line, else
+    the last non-empty one."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln.split("] ")[-1])]
+    return (errors or lines or ["no output"])[-1][:400]
 
 
 if __name__ == "__main__":

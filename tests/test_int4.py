@@ -162,8 +162,9 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
     assert bad.status == "failed" and not bad.details["serve_check"]["ok"]
     assert bad.details["serve_check"]["compared"] == "token_ids"
     assert bad.reason is not None and bad.reason.startswith(
-        "the OpenAI server's answer differs from the offline greedy answer (token_ids): "
+        "the OpenAI server's answer differs from the offline greedy answer (token_ids) from token 0 "
     )
+    assert not bad.details["serve_check"]["divergence"]["near_tie"]
     assert str(good.generations[0]["output_ids"]) in bad.reason
 
 

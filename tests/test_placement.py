@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.workers.reference import choose_placement, count_parameters
-from pipeline.workers.vllm import check_version, last_error_line, release
+from pipeline.workers.vllm import check_version, first_divergence, last_error_line, release
 
 GIB = 1 << 30
 QWEN2_7B = 7_615_616_512
@@ -68,3 +68,15 @@ def test_a_server_that_stops_is_reported_by_its_error_line() -> None:
     )
     assert last_error_line(output).startswith("ValueError: User-specified max_model_len (4096)")
     assert last_error_line("starting\nkilled\n") == "killed" and last_error_line("") == "no output"
+
+
+def test_a_served_answer_may_leave_the_offline_one_only_at_a_near_tie() -> None:
+    top = [{"5": -0.1, "7": -2.5}, {"9": -0.70, "4": -0.75, "8": -3.0}, {"1": -0.2}]
+    tie = first_divergence([5, 4, 2], [5, 9, 1], top)  # 4 was 0.05 nats below 9 offline
+    assert tie["position"] == 1 and tie["near_tie"] and abs(tie["gap_nats"] - 0.05) < 1e-9
+    far = first_divergence([5, 8], [5, 9, 1], top)  # 8 was 2.3 nats below
+    assert not far["near_tie"] and far["gap_nats"] > 2
+    unseen = first_divergence([6], [5, 9], top)  # not among the offline top logprobs at all
+    assert unseen == {"position": 0, "served": 6, "expected": 5, "gap_nats": None, "near_tie": False}
+    stopped = first_divergence([5], [5, 9], top)  # the server stopped early
+    assert stopped["served"] is None and not stopped["near_tie"]

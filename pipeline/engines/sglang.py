@@ -39,9 +39,9 @@ def validate(
     if not env.exists:
         return not_run(
             "skipped",
-            f"no SGLang environment ({env.interpreter} missing): PyPI's sglang is CUDA-only and its CPU "
-            "kernel (sgl-kernel csrc/cpu) has no sdist or CPU wheel on PyPI; validate on a GPU build "
-            "server (PIPELINE_SGLANG_PYTHON)",
+            f"no SGLang environment ({env.interpreter} missing): set PIPELINE_SGLANG_PYTHON to an "
+            "SGLang interpreter on a GPU host (PyPI's sglang is CUDA-only: its CPU kernel, sgl-kernel "
+            "csrc/cpu, has no sdist or CPU wheel)",
             **details,
         )
     ref, ref_dir = ctx.reference()

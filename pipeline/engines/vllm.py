@@ -113,6 +113,7 @@ def validate(
                 "max_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
                 "expected_text": expected["text"],
                 "expected_ids": expected["output_ids"],
+                "expected_top": got["first_generation_top_logprobs"],
                 "ready_timeout_s": SERVE_TIMEOUT_S - 60,
             },
             name,
@@ -120,9 +121,14 @@ def validate(
         )
         result.details["serve_check"] = served
         if not served["ok"]:
+            at = served.get("divergence") or {}
+            gap = at.get("gap_nats")
+            rated = f"{gap:.3f} nats below the offline choice" if gap is not None else "not a near-tie"
+            where = f" from token {at['position']} ({rated})" if at else ""
             result.status = "failed"
             result.reason = (
-                f"the OpenAI server's answer differs from the offline greedy answer ({served['compared']}): "
+                f"the OpenAI server's answer differs from the offline greedy answer ({served['compared']})"
+                f"{where}: "
                 f"{served['text']!r} {served['token_ids']} vs {expected['text']!r} {expected['output_ids']}"
             )
     return result

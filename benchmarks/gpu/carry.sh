@@ -2,6 +2,7 @@
 # Carry the GPU host's tool environments as wheels, in parts of at most one transfer each, and set
 # them up there (a GPU host with CUDA torch, transformers and no network: the borrowed H200).
 #
+#   here:  benchmarks/gpu/fetch.sh WHEELS_DIR        download the sets (benchmarks/gpu/wheels/*.txt)
 #   here:  benchmarks/gpu/carry.sh pack WHEELS_DIR   WHEELS_DIR/<env>/*.whl -> .whl/part.NN + sha256
 #   there: benchmarks/gpu/carry.sh append            copy this call's .whl/part.* to the scratch dir
 #   there: benchmarks/gpu/carry.sh install           join, check, install one --target dir per env,

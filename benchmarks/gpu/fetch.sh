@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Download the GPU host's tool environments as wheels for Python 3.12 / x86-64 (the H200 image:
+# torch 2.11 + CUDA 13, transformers 5.17; the image's own packages are not listed), one folder
+# per environment, ready for `carry.sh pack DIR`. Run here, in the repository root, after
+# scripts/setup.sh (the core set takes this checkout's llama-cpp-python wheel, gguf-py and converter).
+#
+#   benchmarks/gpu/fetch.sh DIR [ENV ...]     ENV: core vllm llmcompressor modelopt sglang (default: all)
+#
+# Lists: benchmarks/gpu/wheels/<env>.txt (the sets that ran on the H200; vllm and sglang are the
+# lean sets found there, without what their code paths there do not import).
+set -euo pipefail
+out=$1; shift
+envs=("$@"); [ ${#envs[@]} -gt 0 ] || envs=(core vllm llmcompressor modelopt sglang)
+here=$(cd "$(dirname "$0")" && pwd)
+PLATFORMS=()
+for p in manylinux_2_34_x86_64 manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 \
+         manylinux_2_26_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+         manylinux_2_5_x86_64 manylinux1_x86_64; do PLATFORMS+=(--platform "$p"); done
+
+for env in "${envs[@]}"; do
+  dir=$out/$env
+  mkdir -p "$dir"
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${PLATFORMS[@]}" -d "$dir" -r "$here/wheels/$env.txt"
+  case $env in
+    core)  # this checkout's llama.cpp: the portable runtime wheel, gguf-py and the converter
+      share=.venv/share/pipeline/llama.cpp
+      cp "$(ls "${PIPELINE_CACHE:-$HOME/.cache/pipeline}"/wheels/llama-cpp-python-*/llama_cpp_python-*.whl | head -n1)" "$dir/"
+      python3 -m pip wheel -q --no-deps -w "$dir" "$share/gguf-py"
+      rm -rf "$dir/llama.cpp" && cp -r "$share" "$dir/llama.cpp" && rm -rf "$dir/llama.cpp/gguf-py"
+      ;;
+    sglang)  # FlashAttention 3 (1.1 GB unpacked) and the sm100 build left out: attention_backend triton
+      for w in "$dir"/sglang_kernel-*.whl; do zip -q -d "$w" 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/sm100/*' || true; done
+      ;;
+  esac
+  echo "$env: $(ls "$dir" | wc -l) files, $(du -sh "$dir" | cut -f1)"
+done

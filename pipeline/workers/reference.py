@@ -254,7 +254,7 @@ def op_materialise_gguf(req: dict[str, Any]) -> dict[str, Any]:
         tok.eos_token = EOT_TOKEN
         model.config.eos_token_id = eot
         model.generation_config.eos_token_id = eot
-    _restore_pre_tokenizer(tok, src)
+    _restore_tokenizer(tok, src)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     written = AutoTokenizer.from_pretrained(out)
@@ -263,21 +263,32 @@ def op_materialise_gguf(req: dict[str, Any]) -> dict[str, Any]:
     return {"eos_token": written.eos_token, "eos_token_id": written.eos_token_id, "toolchain": _versions()}
 
 
-def _restore_pre_tokenizer(tok: Any, gguf_path: Path) -> None:
-    """transformers rebuilds a GGUF's BPE tokenizer with plain ByteLevel splitting; SmolLM2's own
-    (llama.cpp pre-tokenizer `smollm`) also splits digits one by one. Put that back so the
-    reference tokenizes text as the original model and llama.cpp do."""
-    import gguf
-    from tokenizers import pre_tokenizers
+def _restore_tokenizer(tok: Any, gguf_path: Path) -> None:
+    """Make the rebuilt tokenizer the one the GGUF declares.
 
-    field = gguf.GGUFReader(gguf_path).get_field("tokenizer.ggml.pre")
-    if field is not None and field.contents() == "smollm":
-        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+    transformers rebuilds a GGUF's BPE tokenizer with plain ByteLevel splitting; SmolLM2's own
+    (llama.cpp pre-tokenizer `smollm`) also splits digits one by one: put that back so the
+    reference tokenizes text as the original model and llama.cpp do. Some releases (5.17, seen on
+    the GPU host) also give a byte-level (`gpt2`) BPE SentencePiece's byte fallback and `▁`
+    decoders; llama.cpp's converter then writes a vocabulary whose tokenizer aborts in
+    `llama_vocab::byte_to_token`. A byte-level BPE has neither: remove them."""
+    import gguf
+    from tokenizers import decoders, pre_tokenizers
+
+    reader = gguf.GGUFReader(gguf_path)
+    pre, model = reader.get_field("tokenizer.ggml.pre"), reader.get_field("tokenizer.ggml.model")
+    backend = tok.backend_tokenizer
+    if pre is not None and pre.contents() == "smollm":
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Digits(individual_digits=True),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
             ]
         )
+    if model is not None and model.contents() == "gpt2" and getattr(backend.model, "byte_fallback", False):
+        backend.model.byte_fallback = False
+        backend.normalizer = None
+        backend.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
 
 
 def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:

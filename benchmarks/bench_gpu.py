@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pipeline.constants import GGUF_QUANTS, KNOWN_HUB_CONFIGS  # noqa: E402
+from pipeline.constants import GGUF_BASE_OUTTYPE, GGUF_QUANTS, KNOWN_HUB_CONFIGS  # noqa: E402
 from pipeline.environments import UsageSampler, environment  # noqa: E402
 from pipeline.project import Project  # noqa: E402
 
@@ -85,18 +86,29 @@ def sampled(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]
     }
 
 
-def raw_step(env_name: str, tool: str, request: dict[str, Any]) -> dict[str, Any]:
+def raw_step(env_name: str, tool: str, request: dict[str, Any], work: Path) -> dict[str, Any]:
+    """Run one raw tool step; its output (under `work`) is deleted afterwards, except a raw F16
+    base that a raw quantize reads next."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(request, f)
     try:
         return sampled([environment(env_name).interpreter, str(RAW), tool, f.name])
     finally:
         os.unlink(f.name)
+        for key in ("out_dir", "out_path"):
+            out = Path(request.get(key) or work)
+            if out.parent == work and out.name != "raw-base.gguf":
+                if out.is_dir():
+                    shutil.rmtree(out, ignore_errors=True)
+                else:
+                    out.unlink(missing_ok=True)
 
 
 def raw_requests(project: Project, target: str, work: Path) -> list[tuple[str, str, str, dict[str, Any]]]:
-    """(pipeline step op, env, raw tool, request) for each step of `target` a tool can run alone."""
-    from pipeline.targets.gguf import GgufTarget
+    """(pipeline step op, env, raw tool, request) for each step of `target` a tool can run alone with
+    the same settings. Not repeated: quantizing with an imatrix (the pipeline hands llama.cpp its own
+    imatrix through the C API; there is no raw tool for that here) and ModelOpt other than FP8."""
+    from pipeline.targets.gguf import BASE_FILE, GgufTarget
     from pipeline.targets.int4 import Int4Target
     from pipeline.targets.modelopt import ModeloptTarget, checkpoint_request
     from pipeline.workers.llamacpp import llama_cpp_dir
@@ -107,16 +119,18 @@ def raw_requests(project: Project, target: str, work: Path) -> list[tuple[str, s
     out = work / f"raw-{target}"
     steps: list[tuple[str, str, str, dict[str, Any]]] = []
     if isinstance(spec, GgufTarget):
-        base = work / "raw-base.gguf"
+        # the pipeline's own F16 base (cached: shared by every GGUF target), else a raw convert's
+        cached = project.layout.cache_dir / f"gguf-base-{GGUF_BASE_OUTTYPE}" / BASE_FILE
+        base = cached if cached.is_file() else work / "raw-base.gguf"
         convert = {
             "llama_cpp_dir": str(llama_cpp_dir()),
             "model_dir": str(ctx.source.path),
             "out_path": str(base),
             "outtype": "f16",
         }
-        steps.append(("convert", "llamacpp", "convert", convert))
+        steps.append(("convert", "llamacpp", "convert", {**convert, "out_path": str(work / "raw-base.gguf")}))
         stage, ftype = GGUF_QUANTS[spec.quant]
-        if stage == "quantize":
+        if stage == "quantize" and not spec.imatrix:
             steps.append(
                 (
                     "quantize",
@@ -130,7 +144,7 @@ def raw_requests(project: Project, target: str, work: Path) -> list[tuple[str, s
         steps.append(
             ("quantize", "llmcompressor", "llmcompressor", spec.quantize_request(ctx, ctx.source.path, out))
         )
-    elif isinstance(spec, ModeloptTarget):
+    elif isinstance(spec, ModeloptTarget) and spec.quant == "fp8":
         request = checkpoint_request(
             ctx, out, export="hf", quant=spec.quant, dtype=spec.dtype, calibration=spec.calibration
         )
@@ -159,6 +173,21 @@ def raw_requests(project: Project, target: str, work: Path) -> list[tuple[str, s
 def run(recipe: Path, targets: list[str], model: str, json_out: Path, raw_ops: set[str]) -> None:
     project = Project.open(recipe)
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    try:
+        run_targets(project, recipe, targets, model, json_out, raw_ops, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_targets(
+    project: Project,
+    recipe: Path,
+    targets: list[str],
+    model: str,
+    json_out: Path,
+    raw_ops: set[str],
+    work: Path,
+) -> None:
     device = _device()
     rows = json.loads(json_out.read_text()) if json_out.is_file() else []
     for target in targets:
@@ -186,8 +215,10 @@ def run(recipe: Path, targets: list[str], model: str, json_out: Path, raw_ops: s
         for op, env_name, tool, request in raw_requests(project, target, work):
             if op not in raw_ops:
                 continue
+            if op == "convert" and not any(s["op"] == "convert" for s in steps):
+                continue  # the pipeline reused its cached base: nothing to compare with
             ours = [s for s in steps if s["op"] == op and s["env"] == env_name and s["log"] == target]
-            measured = raw_step(env_name, tool, request)
+            measured = raw_step(env_name, tool, request, work)
             raw.append(
                 {
                     "step": f"{env_name}:{op}",

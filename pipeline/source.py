@@ -23,7 +23,7 @@ from pipeline.hashing import dir_sha256, file_sha256, json_sha256
 from pipeline.recipe import LoadedRecipe, SourceSpec
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MATERIALISER_VERSION = 2  # bump when op_materialise_gguf changes what it writes
+MATERIALISER_VERSION = 3  # bump when op_materialise_gguf changes what it writes
 
 
 def cache_root() -> Path:

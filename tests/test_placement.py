@@ -67,6 +67,8 @@ def test_a_server_that_stops_is_reported_by_its_error_line() -> None:
         "\n"
     )
     assert last_error_line(output).startswith("ValueError: User-specified max_model_len (4096)")
+    engine = "(EngineCore_DP0 pid=4970) RuntimeError: CUDA out of memory\n(APIServer pid=1) shutting down\n"
+    assert last_error_line(engine) == "RuntimeError: CUDA out of memory"
     assert last_error_line("starting\nkilled\n") == "killed" and last_error_line("") == "no output"
 
 

@@ -140,4 +140,7 @@ def test_group_rss_counts_every_process_of_the_group() -> None:
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
+    deadline = time.monotonic() + 10  # the grandchild is reaped by init, not by us
+    while group_rss_bytes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert group_rss_bytes(proc.pid) == 0

@@ -42,7 +42,7 @@ case "${1:-}" in
       [ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" $wheels
       # llama-cpp-python's wheel (py3-none-linux_x86_64) holds ctypes code and its shared libraries
       for w in "$dir"llama_cpp_python-*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" "$site"; done
-      [ -d "$dir/llama.cpp" ] && cp -r "$dir/llama.cpp" /tmp/pipeline-site/llama.cpp
+      [ -d "$dir/llama.cpp" ] && rm -rf /tmp/pipeline-site/llama.cpp && cp -r "$dir/llama.cpp" /tmp/pipeline-site/llama.cpp
       mkdir -p "/tmp/pipeline-envs/$env"
       extra=""; [ "$env" != core ] && extra=":/tmp/pipeline-site/core"
       printf '#!/bin/sh\nexport PYTHONPATH=%s%s${PYTHONPATH:+:$PYTHONPATH}\nexec python3 "$@"\n' \

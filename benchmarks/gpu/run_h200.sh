@@ -24,9 +24,10 @@ RESULTS=$OUT/h200-$(date -u +%Y-%m-%d).json
 case "${1:-}" in
   smollm2)
     python3 -m pipeline env --json > "$OUT/env.json" 2>&1
-    python3 benchmarks/bench_gpu.py run recipes/smollm2-135m.yaml --targets "${2:-awq,gptq,gguf-q8_0}" \
+    targets=${2:-awq,gptq,gguf-q8_0}
+    python3 benchmarks/bench_gpu.py run recipes/smollm2-135m.yaml --targets "$targets" \
       --raw-steps "${3:-convert,quantize,validate}" --model SmolLM2-135M-Instruct --json "$RESULTS" 2>&1 \
-      | tee "$OUT/smollm2-${2//,/_}.log" | tail -c 20000
+      | tee "$OUT/smollm2-${targets//,/_}.log" | tail -c 20000
     ;;
   qwen2-7b)
     # SmolLM2's tokenizer, from the default recipe's materialised source

@@ -114,7 +114,8 @@ def validate(
                 "expected_text": expected["text"],
                 "expected_ids": expected["output_ids"],
                 "expected_top": got["first_generation_top_logprobs"],
-                "ready_timeout_s": SERVE_TIMEOUT_S - 60,
+                "server_log": str(ctx.log_path(f"{name}-server")),
+                "ready_timeout_s": SERVE_TIMEOUT_S - 240,  # + /v1/models, request, shutdown < step limit
             },
             name,
             timeout_s=SERVE_TIMEOUT_S,

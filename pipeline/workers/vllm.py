@@ -139,13 +139,13 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
 
     records, gen_s, first_top = [], 0.0, []
     greedy = SamplingParams(max_tokens=req["max_new_tokens"], temperature=0.0, logprobs=TIE_TOP)
-    for g in ref["generations"]:  # one at a time, as every engine's tokens_per_s is measured
+    for n, g in enumerate(ref["generations"]):  # one at a time, as every engine's tokens_per_s is measured
         t2 = time.perf_counter()
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=g["prompt_ids"])], greedy, use_tqdm=False)
         gen_s += time.perf_counter() - t2
         first = out.outputs[0]
         records.append(generation_record(g, list(first.token_ids), first.text, first.finish_reason == "stop"))
-        if not first_top:  # the serve check's prompt: what the engine thought at each step
+        if n == 0:  # the serve check's prompt: what the engine thought at each step
             first_top = [{str(t): lp.logprob for t, lp in step.items()} for step in first.logprobs or []]
     return {
         "first_generation_top_logprobs": first_top,
@@ -192,15 +192,24 @@ def op_serve_check(req: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"port {port} on 127.0.0.1 is already in use")
     cmd = _argv(req["command"], req["model_dir"], port)
     t0 = time.perf_counter()
-    server_log = tempfile.NamedTemporaryFile("w+", prefix="vllm-server-", suffix=".log")  # noqa: SIM115
-    server = subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT)
+    # the server's own log, beside the step's (it outlives a step killed at its time limit)
+    if req.get("server_log"):
+        server_log = Path(req["server_log"])
+        server_log.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        fd, name = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
+        os.close(fd)
+        server_log = Path(name)
+    print(f"serve check: {' '.join(cmd)} (server log: {server_log})", flush=True)
+    with open(server_log, "w") as out:
+        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         while True:
             if server.poll() is not None:
                 raise RuntimeError(
                     f"vLLM server exited with code {server.returncode} before it was ready: "
-                    f"{last_error_line(Path(server_log.name).read_text(errors='replace'))}"
+                    f"{last_error_line(server_log.read_text(errors='replace'))}"
                 )
             if time.perf_counter() - t0 > req["ready_timeout_s"]:
                 raise RuntimeError(f"vLLM server not ready after {req['ready_timeout_s']}s")
@@ -253,8 +262,6 @@ def op_serve_check(req: dict[str, Any]) -> dict[str, Any]:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
-        sys.stdout.write(Path(server_log.name).read_text(errors="replace"))  # into the step's log
-        server_log.close()
 
 
 def first_divergence(
@@ -284,7 +291,9 @@ def first_divergence(
 def last_error_line(output: str) -> str:
     """The line of a server's output that says why it stopped: the last `...Error: ...` line, else
     the last non-empty one."""
-    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    prefix = re.compile(r"^(\x1b\[[0-9;]*m)*(\(\S+ pid=\d+\)\s*)?")  # colour codes, "(APIServer pid=N) "
+    lines = [prefix.sub("", ln).strip() for ln in output.splitlines()]
+    lines = [ln for ln in lines if ln]
     errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln.split("] ")[-1])]
     return (errors or lines or ["no output"])[-1][:400]
 

@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pipeline.constants import GGUF_BASE_OUTTYPE, GGUF_QUANTS, KNOWN_HUB_CONFIGS  # noqa: E402
+from pipeline.constants import GGUF_BASE_OUTTYPE, GGUF_QUANTS  # noqa: E402
 from pipeline.environments import UsageSampler, environment  # noqa: E402
 from pipeline.project import Project  # noqa: E402
 
@@ -42,21 +42,12 @@ RAW = REPO / "benchmarks" / "raw_tools.py"
 
 def make_checkpoint(out: Path, arch: str, tokenizer: Path) -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from bench_trtllm_checkpoint import qwen2_7b_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    shape = KNOWN_HUB_CONFIGS["Qwen/Qwen2-7B-Instruct"]
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    cfg = AutoConfig.for_model(
+    cfg = qwen2_7b_config(
         arch,
-        hidden_size=shape["hidden_size"],
-        intermediate_size=shape["intermediate_size"],
-        num_attention_heads=shape["num_attention_heads"],
-        num_key_value_heads=shape["num_key_value_heads"],
-        num_hidden_layers=shape["num_hidden_layers"],
-        vocab_size=shape["vocab_size"],
-        tie_word_embeddings=bool(shape["tie_word_embeddings"]),
-        max_position_embeddings=32768,
-        rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,

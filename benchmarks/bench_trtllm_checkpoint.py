@@ -37,14 +37,14 @@ from pipeline.targets.trtllm import TrtllmTarget, check_checkpoint_config
 REPO = Path(__file__).resolve().parent.parent
 
 
-def random_model(shape: str, tokenizer_dir: Path, out: Path) -> float:
-    """A random-weight checkpoint with a known model's shapes, written as safetensors."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def qwen2_7b_config(arch: str = "qwen2", **overrides: object) -> object:
+    """A transformers config with Qwen2-7B-Instruct's shapes (KNOWN_HUB_CONFIGS), declared as `arch`
+    (qwen2, or llama for llama.cpp's converter), for random-weight checkpoints."""
+    from transformers import AutoConfig
 
-    assert shape == "qwen2-7b"
     c = KNOWN_HUB_CONFIGS["Qwen/Qwen2-7B-Instruct"]
-    config = Qwen2Config(
+    return AutoConfig.for_model(
+        arch,
         hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"],
         num_attention_heads=c["num_attention_heads"],
@@ -54,8 +54,17 @@ def random_model(shape: str, tokenizer_dir: Path, out: Path) -> float:
         tie_word_embeddings=bool(c["tie_word_embeddings"]),
         max_position_embeddings=32768,
         rope_theta=1000000.0,
-        torch_dtype="bfloat16",
+        **overrides,
     )
+
+
+def random_model(shape: str, tokenizer_dir: Path, out: Path) -> float:
+    """A random-weight checkpoint with a known model's shapes, written as safetensors."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    assert shape == "qwen2-7b"
+    config = qwen2_7b_config(torch_dtype="bfloat16")
     t0 = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

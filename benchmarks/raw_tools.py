@@ -12,22 +12,20 @@ request the pipeline's worker got for that step, so the settings are the same.
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The pipeline's own (stdlib-only) text selection, so the raw tool sees the same tokens
+from pipeline.workers.calibration import calibration_chunks, read_text
+from pipeline.workers.scoring import windows
+
 
 def _chunks(tok: Any, req: dict[str, Any]) -> list[list[int]]:
-    text = Path(req["text_path"]).read_text()
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    n = req["seq_len"]
-    chunks = [ids[i : i + n] for i in range(0, len(ids) - n + 1, n)]
-    if len(chunks) > req["samples"]:
-        keep = sorted(random.Random(req["seed"]).sample(range(len(chunks)), req["samples"]))
-        chunks = [chunks[i] for i in keep]
-    return chunks
+    ids = tok(read_text(req["text_path"]), add_special_tokens=False)["input_ids"]
+    return calibration_chunks(ids, req["samples"], req["seq_len"], req["seed"])
 
 
 def llmcompressor(req: dict[str, Any]) -> None:
@@ -113,9 +111,8 @@ def vllm(req: dict[str, Any]) -> None:
         + 8,
         gpu_memory_utilization=req["gpu_memory_utilization"],
     )
-    windows = [ids[i : i + ctx] for i in range(0, len(ids) - ctx + 1, ctx)]
     llm.generate(
-        [TokensPrompt(prompt_token_ids=w) for w in windows],
+        [TokensPrompt(prompt_token_ids=w) for _, w in windows(ids, ctx)],
         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=64),
         use_tqdm=False,
     )

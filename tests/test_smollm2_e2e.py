@@ -270,4 +270,3 @@ def test_push_promote_then_a_deploy_job_fetches_verifies_and_serves(workspace: P
 
     answer = serve_and_ask(hit["serve"]["command"], str(deploy / "by-stage"))
     assert answer["choices"][0]["text"].strip()
-

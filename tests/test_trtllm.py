@@ -221,7 +221,8 @@ def _modelopt_fp8_recipe(tmp_path: Path, tiny_llama: Path) -> Path:
         tmp_path / "tiny.yaml",
         targets={"modelopt-fp8": {"kind": "modelopt", "quant": "fp8", "serve_gpu_arch": "sm90",
                                   "gates": {"max_ppl_delta_pct": 500, "max_kld_topk_mean": 5}}},
-        serve={"vllm": {"max_model_len": 1024}},  # the tiny model has 2048 positions
+        # the tiny model has 2048 positions; no CUDA graphs: the server starts in seconds
+        serve={"vllm": {"max_model_len": 1024, "enforce_eager": True}},
     )  # fmt: skip
 
 
@@ -261,6 +262,7 @@ def test_modelopt_fp8_validates_in_cuda_vllm(
     assert result.outcome == "built" and result.validation == "passed", result.message
     verdict = _read_manifest(_isolated_artifacts, "modelopt-fp8")["validation"]["engines"]["vllm"]
     assert verdict["details"]["quantization"] == "modelopt" and verdict["engine_version"]
+    assert verdict["details"]["serve_check"]["ok"], verdict["details"]["serve_check"]
     assert verdict["metrics"]["kld_topk_mean"] is not None and verdict["metrics"]["kld_mean"] is None
 
 

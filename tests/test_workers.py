@@ -117,7 +117,9 @@ def test_step_usage_is_recorded_for_a_step_and_a_failed_one(tmp_path: Path) -> N
         ("transformers", "toolchain", "ref"),
         ("transformers", "nope", "ref"),
     ]
-    assert all(u.seconds > 0 and u.peak_rss_mib > 5 for u in seen)
+    assert all(u.seconds > 0 for u in seen)
+    # the failed step ends within ~0.1 s, maybe before the first sample: only the other's RSS is sure
+    assert seen[0].peak_rss_mib > 5
 
 
 def test_group_rss_counts_every_process_of_the_group() -> None:

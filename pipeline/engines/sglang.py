@@ -1,5 +1,6 @@
-"""Validation in SGLang (`sglang.Engine` in the `sglang` environment): its own verdict, where that
-environment exists (GPU build servers); `skipped` with the reason elsewhere."""
+"""Validation in SGLang (`sglang.Engine` in the `sglang` environment), then the manifest's
+`sglang.launch_server` command served once: its own verdict, where that environment exists (GPU
+build servers); `skipped` with the reason elsewhere."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.constants import ENGINE_SGLANG, ENV_SGLANG
+from pipeline.engines.serving import serve_check
 from pipeline.environments import environment
 from pipeline.errors import EngineError
 from pipeline.manifest import EngineVerdict
-from pipeline.recipe import Gates
+from pipeline.recipe import Gates, ServeSpec
 from pipeline.validation import not_run, verdict
 
 if TYPE_CHECKING:  # the target kinds import this module
@@ -19,22 +21,24 @@ if TYPE_CHECKING:  # the target kinds import this module
 VALIDATE_TIMEOUT_S = 1800
 
 
-def serve_command(model_quantization: str, dtype: str, ctx: BuildContext) -> str:
-    serve = ctx.loaded.recipe.serve
+def serve_command(serve: ServeSpec, quantization: str, dtype: str) -> str:
+    """The deploy command for a checkpoint in SGLang's server, with the recipe's knobs."""
     backend = serve.sglang.attention_backend
     return (
         "python -m sglang.launch_server --model-path ${ARTIFACT_DIR} "
-        f"--quantization {model_quantization} --dtype {dtype} --host {serve.host} --port {serve.port} "
+        f"--quantization {quantization} --dtype {dtype} --host {serve.host} --port {serve.port} "
         f"--context-length {serve.sglang.context_length} "
         f"--mem-fraction-static {serve.sglang.mem_fraction_static}"
         + (f" --attention-backend {backend}" if backend else "")
+        + (" --disable-cuda-graph" if serve.sglang.disable_cuda_graph else "")
     )
 
 
 def validate(
     ctx: BuildContext, name: str, artifact: Path, quantization: str, dtype: str, gates: Gates
 ) -> EngineVerdict:
-    details = {"quantization": quantization, "command": serve_command(quantization, dtype, ctx)}
+    command = serve_command(ctx.loaded.recipe.serve, quantization, dtype)
+    details = {"quantization": quantization, "command": command}
     env = environment(ENV_SGLANG)
     if not env.exists:
         return not_run(
@@ -63,9 +67,12 @@ def validate(
             name,
             timeout_s=VALIDATE_TIMEOUT_S,
         )
+        result = verdict(
+            ctx, ENGINE_SGLANG, got, ref, gates, {"startup_s": got["startup_s"]},
+            settings=got["settings"], device=got["device"], **details,
+        )  # fmt: skip
+        ctx.reporter.step(name, "serving once through sglang.launch_server")
+        serve_check(ctx, ENV_SGLANG, name, artifact, details["command"], got, result)
     except EngineError as exc:  # SGLang's crash is SGLang's verdict; the vLLM one still stands
         return not_run("failed", str(exc), **details)
-    return verdict(
-        ctx, ENGINE_SGLANG, got, ref, gates, {"startup_s": got["startup_s"]},
-        settings=got["settings"], device=got["device"], **details,
-    )  # fmt: skip
+    return result

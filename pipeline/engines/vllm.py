@@ -10,15 +10,29 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.constants import ENGINE_VLLM, ENV_VLLM
+from pipeline.engines.serving import serve_check
 from pipeline.manifest import EngineVerdict
-from pipeline.recipe import Gates
+from pipeline.recipe import Gates, ServeSpec
 from pipeline.validation import not_run, verdict
 
 if TYPE_CHECKING:  # the target kinds import this module
     from pipeline.targets.base import BuildContext
 
 VALIDATE_TIMEOUT_S = 1800
-SERVE_TIMEOUT_S = 900
+
+
+def serve_command(serve: ServeSpec, quantization: str, dtype: str) -> str:
+    """The deploy command for a checkpoint in vLLM's OpenAI server, with the recipe's knobs."""
+    knobs = serve.vllm
+    batched = knobs.max_num_batched_tokens
+    return (
+        "python -m vllm.entrypoints.openai.api_server --model ${ARTIFACT_DIR} "
+        f"--quantization {quantization} --dtype {dtype} --host {serve.host} "
+        f"--port {serve.port} --max-model-len {knobs.max_model_len} "
+        f"--gpu-memory-utilization {knobs.gpu_memory_utilization}"
+        + (f" --max-num-batched-tokens {batched}" if batched else "")
+        + (" --enforce-eager" if knobs.enforce_eager else "")
+    )
 
 
 def _score(ctx: BuildContext, log: str, model_dir: Path, dtype: str) -> dict[str, Any]:
@@ -102,34 +116,5 @@ def validate(
     )
     if serve_command is not None:
         ctx.reporter.step(name, "serving once through vLLM's OpenAI server")
-        expected = got["generations"][0]
-        served = ctx.step(
-            ENV_VLLM,
-            {
-                "op": "serve_check",
-                "model_dir": str(artifact),
-                "command": serve_command,
-                "prompt_ids": ref["generations"][0]["prompt_ids"],
-                "max_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
-                "expected_text": expected["text"],
-                "expected_ids": expected["output_ids"],
-                "expected_top": got["first_generation_top_logprobs"],
-                "server_log": str(ctx.log_path(f"{name}-server")),
-                "ready_timeout_s": SERVE_TIMEOUT_S - 240,  # + /v1/models, request, shutdown < step limit
-            },
-            name,
-            timeout_s=SERVE_TIMEOUT_S,
-        )
-        result.details["serve_check"] = served
-        if not served["ok"]:
-            at = served.get("divergence") or {}
-            gap = at.get("gap_nats")
-            rated = f"{gap:.3f} nats below the offline choice" if gap is not None else "not a near-tie"
-            where = f" from token {at['position']} ({rated})" if at else ""
-            result.status = "failed"
-            result.reason = (
-                f"the OpenAI server's answer differs from the offline greedy answer ({served['compared']})"
-                f"{where}: "
-                f"{served['text']!r} {served['token_ids']} vs {expected['text']!r} {expected['output_ids']}"
-            )
+        serve_check(ctx, ENV_VLLM, name, artifact, serve_command, got, result)
     return result

@@ -135,18 +135,7 @@ class Int4Target(Target):
         return Validation.of(ENGINE_VLLM, verdicts, reference_record(ref))
 
     def serve_command(self, serve: ServeSpec) -> str:
-        knobs = serve.vllm
-        batched = (
-            f" --max-num-batched-tokens {knobs.max_num_batched_tokens}"
-            if knobs.max_num_batched_tokens
-            else ""
-        )
-        return (
-            "python -m vllm.entrypoints.openai.api_server --model ${ARTIFACT_DIR} "
-            f"--quantization {QUANTIZATION} --dtype {self.dtype} --host {serve.host} "
-            f"--port {serve.port} --max-model-len {knobs.max_model_len} "
-            f"--gpu-memory-utilization {knobs.gpu_memory_utilization}{batched}"
-        )
+        return vllm.serve_command(serve, QUANTIZATION, self.dtype)
 
 
 @register

@@ -150,13 +150,7 @@ class ModeloptTarget(Target):
 
     def serve_command(self, serve: ServeSpec) -> str:
         if self.quant in VLLM_LOADS:
-            knobs = serve.vllm
-            return (
-                "python -m vllm.entrypoints.openai.api_server --model ${ARTIFACT_DIR} "
-                f"--quantization modelopt --dtype {self.dtype} --host {serve.host} --port {serve.port} "
-                f"--max-model-len {knobs.max_model_len} "
-                f"--gpu-memory-utilization {knobs.gpu_memory_utilization}"
-            )
+            return vllm.serve_command(serve, "modelopt", self.dtype)
         return (
             f"trtllm-serve ${{ARTIFACT_DIR}} --backend pytorch --host {serve.host} --port {serve.port} "
             f"--max_seq_len {serve.vllm.max_model_len} "

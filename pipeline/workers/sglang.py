@@ -1,4 +1,5 @@
-"""Worker for the `sglang` environment (GPU build servers): score an AWQ/GPTQ checkpoint in SGLang.
+"""Worker for the `sglang` environment (GPU build servers): score an AWQ/GPTQ checkpoint in SGLang,
+then serve it once with the manifest's `sglang.launch_server` command.
 
 Runs only as `python -m pipeline.workers.sglang REQUEST RESULT` (see pipeline.environments), against
 SGLang's offline engine (`sglang.Engine`). Never run on the CPU machines this project is developed
@@ -14,6 +15,7 @@ from typing import Any
 
 from pipeline.workers.protocol import installed_versions, worker_main
 from pipeline.workers.scoring import WindowScorer, generation_record, generation_scores, windows
+from pipeline.workers.serving import TIE_TOP, post_json, serve_check
 
 TOP_K = 64
 
@@ -65,20 +67,26 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
             for i in range(1, ctx):
                 top = {int(tid): float(lp) for lp, tid, _ in top_lps[i]}
                 scorer.add_topk(start + i - 1, float(token_lps[i][0]), top, TOP_K)
-        records, gen_s = [], 0.0
-        for g in ref["generations"]:  # one at a time, as every engine's tokens_per_s is measured
+        records, gen_s, first_top = [], 0.0, []
+        # one at a time, as every engine's tokens_per_s is measured
+        for n, g in enumerate(ref["generations"]):
             t2 = time.perf_counter()
             out = engine.generate(
                 input_ids=g["prompt_ids"],
                 sampling_params={"max_new_tokens": req["max_new_tokens"], "temperature": 0.0},
+                # the serve check's prompt: what the engine thought at each step (near-ties)
+                **({"return_logprob": True, "top_logprobs_num": TIE_TOP} if n == 0 else {}),
             )
             gen_s += time.perf_counter() - t2
             ids = [int(t) for t in out["output_ids"]]
-            finish = (out["meta_info"].get("finish_reason") or {}).get("type")
-            records.append(generation_record(g, ids, out["text"], finish == "stop"))
+            records.append(generation_record(g, ids, out["text"], _finish(out) == "stop"))
+            if n == 0:
+                steps = out["meta_info"].get("output_top_logprobs") or []
+                first_top = [{str(int(tid)): float(lp) for lp, tid, _ in step} for step in steps]
     finally:
         engine.shutdown()
     return {
+        "first_generation_top_logprobs": first_top,
         **scorer.result(),
         **generation_scores(records, gen_s),
         "prompt_tokens_per_s": scorer.predicted / score_s,
@@ -89,5 +97,25 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _finish(out: dict[str, Any]) -> str | None:
+    return (out["meta_info"].get("finish_reason") or {}).get("type")
+
+
+def _ask_generate(base: str, req: dict[str, Any]) -> dict[str, Any]:
+    """One greedy request to SGLang's native /generate: it takes token ids and answers with them."""
+    body = {
+        "input_ids": req["prompt_ids"],
+        "sampling_params": {"max_new_tokens": req["max_tokens"], "temperature": 0.0},
+    }
+    out = post_json(f"{base}/generate", body)
+    ids = [int(t) for t in out["output_ids"]]
+    return {"text": out["text"], "token_ids": ids, "finish_reason": _finish(out)}
+
+
+def op_serve_check(req: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's serve command (sglang.launch_server), once: pipeline.workers.serving."""
+    return serve_check(req, "SGLang", _ask_generate)
+
+
 if __name__ == "__main__":
-    worker_main({"toolchain": op_toolchain, "validate": op_validate})
+    worker_main({"toolchain": op_toolchain, "validate": op_validate, "serve_check": op_serve_check})

@@ -9,28 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shlex
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from pipeline.workers.protocol import installed_versions, worker_main
 from pipeline.workers.scoring import WindowScorer, generation_record, generation_scores, windows
+from pipeline.workers.serving import TIE_TOP, post_json, serve_check
 
 TOP_K = 64  # vLLM returns this many of its own top logprobs per position, for KL divergence
-# The serve check's tolerance: the served answer may leave the offline greedy answer only where the
-# offline engine itself rated the two tokens within this many nats (a near-tie: the deploy command's
-# CUDA graphs and fused kernels may round it the other way). Measured on a 7B random-weight FP8
-# checkpoint: the compiled server and the eager offline engine chose different first tokens.
-NEAR_TIE_NATS = 0.1
-TIE_TOP = 5  # top logprobs kept per generated token of the first smoke prompt
 CPU_DEFAULTS = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default asks for most of the RAM
     "VLLM_CPU_INT4_W4A8": "0",  # score true W4A16, not int8-activation kernels
@@ -161,141 +149,29 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _argv(command: str, artifact_dir: str, port: int) -> list[str]:
-    """The manifest's serve command, run for real: this environment's python, this artifact, and
-    a free loopback port in place of the recipe's."""
-    argv = shlex.split(command.replace("${ARTIFACT_DIR}", artifact_dir))
-    if argv[0] == "python":
-        argv[0] = sys.executable
-    argv[argv.index("--port") + 1] = str(port)
-    argv[argv.index("--host") + 1] = "127.0.0.1"
-    return argv
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ask_completions(base: str, req: dict[str, Any]) -> dict[str, Any]:
+    """One greedy OpenAI completion of the prompt's token ids, under whatever name the command serves."""
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:
+        served = json.loads(r.read())["data"][0]["id"]
+    body = {
+        "model": served,
+        "prompt": req["prompt_ids"],
+        "max_tokens": req["max_tokens"],
+        "temperature": 0,
+        "return_token_ids": True,  # vLLM >= 0.10.2; older servers answer text only
+    }
+    choice = post_json(f"{base}/v1/completions", body)["choices"][0]
+    ids = choice.get("token_ids")
+    return {"text": choice["text"], "token_ids": ids, "finish_reason": choice["finish_reason"]}
 
 
 def op_serve_check(req: dict[str, Any]) -> dict[str, Any]:
-    """Start the manifest's serve command on 127.0.0.1, send the first smoke prompt's token ids
-    (greedy, the recipe's max_new_tokens), compare the answer's token ids (its text where the
-    server cannot return ids) with the offline greedy answer, shut the server down."""
+    """The manifest's serve command, once (pipeline.workers.serving), asked through OpenAI completions."""
     import torch
 
     if not torch.cuda.is_available():
         _cpu_env()
-    port = req.get("port") or _free_port()
-    with socket.socket() as s:
-        if s.connect_ex(("127.0.0.1", port)) == 0:
-            raise RuntimeError(f"port {port} on 127.0.0.1 is already in use")
-    cmd = _argv(req["command"], req["model_dir"], port)
-    t0 = time.perf_counter()
-    # the server's own log, beside the step's (it outlives a step killed at its time limit)
-    if req.get("server_log"):
-        server_log = Path(req["server_log"])
-        server_log.parent.mkdir(parents=True, exist_ok=True)
-    else:
-        fd, name = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
-        os.close(fd)
-        server_log = Path(name)
-    print(f"serve check: {' '.join(cmd)} (server log: {server_log})", flush=True)
-    with open(server_log, "w") as out:
-        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM server exited with code {server.returncode} before it was ready: "
-                    f"{last_error_line(server_log.read_text(errors='replace'))}"
-                )
-            if time.perf_counter() - t0 > req["ready_timeout_s"]:
-                raise RuntimeError(f"vLLM server not ready after {req['ready_timeout_s']}s")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                time.sleep(1)
-        ready_s = time.perf_counter() - t0
-        with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as r:
-            served = json.loads(r.read())["data"][0]["id"]  # whatever name the command serves under
-        body = {
-            "model": served,
-            "prompt": req["prompt_ids"],
-            "max_tokens": req["max_tokens"],
-            "temperature": 0,
-            "return_token_ids": True,  # vLLM >= 0.10.2; older servers answer text only
-        }
-        post = urllib.request.Request(
-            f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        t1 = time.perf_counter()
-        with urllib.request.urlopen(post, timeout=120) as r:
-            answer = json.loads(r.read())
-        choice = answer["choices"][0]
-        ids = choice.get("token_ids")
-        compared = "token_ids" if ids is not None else "text"
-        ok = ids == req["expected_ids"] if ids is not None else choice["text"] == req["expected_text"]
-        divergence = None
-        if ids is not None and not ok:
-            divergence = first_divergence(ids, req["expected_ids"], req.get("expected_top") or [])
-            ok = divergence["near_tie"]
-        return {
-            "ok": ok,
-            "compared": compared,
-            "divergence": divergence,
-            "text": choice["text"],
-            "token_ids": ids,
-            "expected_text": req["expected_text"],
-            "expected_ids": req["expected_ids"],
-            "finish_reason": choice.get("finish_reason"),
-            "ready_s": ready_s,
-            "request_s": time.perf_counter() - t1,
-            "command": " ".join(["python", *cmd[1:]]),
-        }
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-
-
-def first_divergence(
-    served: list[int], expected: list[int], expected_top: list[dict[str, float]]
-) -> dict[str, Any]:
-    """Where the served token ids first leave the offline greedy ones, and whether that is a
-    near-tie: the served token among the offline engine's top logprobs at that step, at most
-    NEAR_TIE_NATS below the token the offline engine chose."""
-    i = next((k for k, (a, b) in enumerate(zip(served, expected, strict=False)) if a != b), None)
-    if i is None:
-        i = min(len(served), len(expected))  # one stopped early (or both equal: not called then)
-    got = served[i] if i < len(served) else None
-    want = expected[i] if i < len(expected) else None
-    top = expected_top[i] if i < len(expected_top) else {}
-    gap = None
-    if got is not None and want is not None and str(got) in top and str(want) in top:
-        gap = top[str(want)] - top[str(got)]
-    return {
-        "position": i,
-        "served": got,
-        "expected": want,
-        "gap_nats": gap,
-        "near_tie": gap is not None and gap <= NEAR_TIE_NATS,
-    }
-
-
-def last_error_line(output: str) -> str:
-    """The line of a server's output that says why it stopped: the last `...Error: ...` line, else
-    the last non-empty one."""
-    prefix = re.compile(r"^(\x1b\[[0-9;]*m)*(\(\S+ pid=\d+\)\s*)?")  # colour codes, "(APIServer pid=N) "
-    lines = [prefix.sub("", ln).strip() for ln in output.splitlines()]
-    lines = [ln for ln in lines if ln]
-    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln.split("] ")[-1])]
-    return (errors or lines or ["no output"])[-1][:400]
+    return serve_check(req, "vLLM", _ask_completions)
 
 
 if __name__ == "__main__":

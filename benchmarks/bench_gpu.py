@@ -8,6 +8,7 @@ same environment, same session) under the same sampler, and the ratio project/ra
 
     python benchmarks/bench_gpu.py make-checkpoint DIR --arch qwen2|llama --tokenizer SRC
     python benchmarks/bench_gpu.py run RECIPE --targets awq,gptq --model NAME --json OUT.json
+    python benchmarks/bench_gpu.py warm MODEL_DIR --model NAME --json OUT.json
 
 `make-checkpoint` writes Qwen2-7B-Instruct's shapes (pipeline.constants.KNOWN_HUB_CONFIGS) with
 random bfloat16 weights, initialised on the GPU, and SRC's tokenizer; `--arch llama` declares the
@@ -161,6 +162,32 @@ def raw_requests(project: Project, target: str, work: Path) -> list[tuple[str, s
     return steps
 
 
+def warm(model_dir: Path, model: str, json_out: Path, attention_backend: str) -> None:
+    """The first start of vLLM and SGLang on this host (their JIT and autotune caches filled for the
+    builds that follow), recorded as rows of their own: what a fresh build server pays once."""
+    rows = json.loads(json_out.read_text()) if json_out.is_file() else []
+    for engine in ("vllm", "sglang"):
+        env = environment(engine)
+        if not env.exists:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            result = Path(tmp) / "result.json"
+            request = {
+                "engine": engine,
+                "model_dir": str(model_dir),
+                "dtype": "bfloat16",
+                "attention_backend": attention_backend,
+                "result_path": str(result),
+            }
+            measured = raw_step(engine, "first-start", request, Path(tmp))
+            times = json.loads(result.read_text()) if result.is_file() else {}
+        row = {"target": "first-start", "model": model, "engine": engine, "device": _device()}
+        row |= {"status": "passed" if measured["rc"] == 0 else "error", **times, **measured}
+        print(json.dumps(row))
+        rows.append(row)
+        write_results(json_out, rows)
+
+
 def run(recipe: Path, targets: list[str], model: str, json_out: Path, raw_ops: set[str]) -> None:
     project = Project.open(recipe)
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
@@ -202,27 +229,7 @@ def run_targets(
         m = json.loads(manifest_path.read_text())
         v = m["validation"]
         steps = m["build"]["steps"]
-        raw = []
-        for op, env_name, tool, request in raw_requests(project, target, work):
-            if op not in raw_ops:
-                continue
-            if op == "convert" and not any(s["op"] == "convert" for s in steps):
-                continue  # the pipeline reused its cached base: nothing to compare with
-            ours = [s for s in steps if s["op"] == op and s["env"] == env_name and s["log"] == target]
-            measured = raw_step(env_name, tool, request, work)
-            raw.append(
-                {
-                    "step": f"{env_name}:{op}",
-                    "project_s": ours[-1]["seconds"] if ours else None,
-                    "raw_s": measured["seconds"],
-                    "raw_rc": measured["rc"],
-                    "ratio": round(ours[-1]["seconds"] / measured["seconds"], 3) if ours else None,
-                    "project_peak_rss_mib": ours[-1]["peak_rss_mib"] if ours else None,
-                    "raw_peak_rss_mib": measured["peak_rss_mib"],
-                    "project_peak_gpu_mib": ours[-1]["peak_gpu_mib"] if ours else None,
-                    "raw_peak_gpu_mib": measured["peak_gpu_mib"],
-                }
-            )
+        raw: list[dict[str, Any]] = []  # filled below; every engine row of this target shares it
         for engine, verdict in v["engines"].items():
             vm = verdict.get("metrics") or {}
             rows.append(
@@ -252,7 +259,31 @@ def run_targets(
                     "primary": engine == v["engine"],
                 }
             )
-        write_results(json_out, rows)  # after every target: a run killed later keeps them
+        write_results(json_out, rows)  # now, and after every raw step: a run killed later keeps them
+        for op, env_name, tool, request in raw_requests(project, target, work):
+            if op not in raw_ops:
+                continue
+            if op == "convert" and not any(s["op"] == "convert" for s in steps):
+                continue  # the pipeline reused its cached base: nothing to compare with
+            ours = [s for s in steps if s["op"] == op and s["env"] == env_name and s["log"] == target]
+            measured = raw_step(env_name, tool, request, work)
+            raw.append(
+                {
+                    "step": f"{env_name}:{op}",
+                    "project_s": ours[-1]["seconds"] if ours else None,
+                    "raw_s": measured["seconds"],
+                    "raw_rc": measured["rc"],
+                    # a raw run that failed measured nothing comparable
+                    "ratio": round(ours[-1]["seconds"] / measured["seconds"], 3)
+                    if ours and measured["rc"] == 0
+                    else None,
+                    "project_peak_rss_mib": ours[-1]["peak_rss_mib"] if ours else None,
+                    "raw_peak_rss_mib": measured["peak_rss_mib"],
+                    "project_peak_gpu_mib": ours[-1]["peak_gpu_mib"] if ours else None,
+                    "raw_peak_gpu_mib": measured["peak_gpu_mib"],
+                }
+            )
+            write_results(json_out, rows)
     print(markdown(rows))
 
 
@@ -274,9 +305,17 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             return format(v, f) if isinstance(v, int | float) else "–"
 
         raw = "; ".join(
-            f"{x['step']} {num(x['project_s'], '.1f')} / {num(x['raw_s'], '.1f')} ({num(x['ratio'], '.2f')})"
+            f"{x['step']} {num(x['project_s'], '.1f')} / "
+            + (
+                f"{num(x['raw_s'], '.1f')} ({num(x['ratio'], '.2f')})"
+                if x["raw_rc"] == 0
+                else f"raw failed (rc {x['raw_rc']})"
+            )
             for x in r.get("raw", [])
         )
+        if r["target"] == "first-start":
+            start, first = num(r.get("start_s"), ".1f"), num(r.get("first_generation_s"), ".1f")
+            raw = f"start {start} s, first generation {first} s"
         kld = f"{num(r.get('kld'), '.4f')} ({r.get('kld_metric', '')})" if r.get("kld") is not None else "–"
         lines.append(
             f"| {r['model']} | {r['target']} | {r.get('engine', '–')} | {r.get('engine_version') or '–'} | "
@@ -309,6 +348,11 @@ def main() -> None:
     mk.add_argument("out", type=Path)
     mk.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
     mk.add_argument("--tokenizer", type=Path, required=True)
+    wm = sub.add_parser("warm")
+    wm.add_argument("model_dir", type=Path)
+    wm.add_argument("--model", required=True)
+    wm.add_argument("--json", type=Path, required=True)
+    wm.add_argument("--attention-backend", default="triton")
     rn = sub.add_parser("run")
     rn.add_argument("recipe", type=Path)
     rn.add_argument("--targets", required=True)
@@ -322,6 +366,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.cmd == "make-checkpoint":
         make_checkpoint(args.out, args.arch, args.tokenizer)
+    elif args.cmd == "warm":
+        warm(args.model_dir, args.model, args.json, args.attention_backend)
     else:
         targets = [t for t in args.targets.split(",") if t]
         run(args.recipe, targets, args.model, args.json, set(args.raw_steps.split(",")))

@@ -6,7 +6,8 @@ step: the `raw` side of benchmarks/bench_gpu.py. Run in that tool's environment:
 TOOL: llmcompressor (AWQ/GPTQ oneshot + save), modelopt (mtq.quantize + export_hf_checkpoint),
 vllm (LLM + prompt logprobs over the evaluation windows + greedy smoke generations),
 convert (llama.cpp's convert_hf_to_gguf.py), quantize (llama_model_quantize). REQUEST is the
-request the pipeline's worker got for that step, so the settings are the same.
+request the pipeline's worker got for that step, so the settings are the same. first-start: an
+engine's first start and generation on a fresh host (bench_gpu.py warm).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def llmcompressor(req: dict[str, Any]) -> None:
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.awq import AWQModifier
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier  # 0.14's home (the old one is a shim)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(req["model_dir"])
@@ -148,7 +149,39 @@ def quantize(req: dict[str, Any]) -> None:
         raise SystemExit("llama_model_quantize failed")
 
 
+def first_start(req: dict[str, Any]) -> None:
+    """A fresh host's first start of an engine (`engine`: vllm or sglang) and its first greedy
+    generation, as a deploy job meets them: JIT/autotune caches (FlashInfer, Triton, torch.compile)
+    are filled here and reused by every later start on the host. Seconds go to `result_path`."""
+    import time
+
+    t0 = time.perf_counter()
+    if req["engine"] == "vllm":
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=req["model_dir"], dtype=req["dtype"], max_model_len=1024, enforce_eager=True)
+        started = time.perf_counter()
+        llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0.0))
+    else:
+        import sglang
+
+        engine = sglang.Engine(
+            model_path=req["model_dir"],
+            dtype=req["dtype"],
+            attention_backend=req["attention_backend"],
+            disable_cuda_graph=True,
+            mem_fraction_static=0.5,
+        )
+        started = time.perf_counter()
+        engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0.0})
+        engine.shutdown()
+    done = time.perf_counter()
+    result = {"start_s": round(started - t0, 1), "first_generation_s": round(done - started, 1)}
+    Path(req["result_path"]).write_text(json.dumps(result))
+
+
 TOOLS = {
+    "first-start": first_start,
     "llmcompressor": llmcompressor,
     "modelopt": modelopt,
     "vllm": vllm,

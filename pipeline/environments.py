@@ -32,6 +32,7 @@ from pipeline.constants import (
     ENV_VLLM,
 )
 from pipeline.errors import DiskFullError, EngineError
+from pipeline.workers.protocol import last_error_line
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -200,6 +201,7 @@ def run_step(
         with open(log_path, "ab") as log:
             log.write(f"\n=== {module} op={op} env={env} python={python}\n".encode())
             log.flush()
+            step_start = log.tell()
             try:
                 proc = subprocess.Popen(
                     [python, "-m", module, str(req), str(res)],
@@ -240,7 +242,11 @@ def run_step(
         kind = DiskFullError if result.get("disk_full") else EngineError
         raise kind(f"{module} {op}: {result['error']} (log: {log_path})")
     if proc.returncode != 0 or result is None:
-        raise EngineError(f"{module} {op}: {_describe_exit(proc.returncode)} (log: {log_path})")
+        with open(log_path, "rb") as log:  # what the engine said before it died, if anything
+            log.seek(step_start)
+            said = log.read().decode(errors="replace")
+        why = f": {last_error_line(said)}" if said.strip() else ""
+        raise EngineError(f"{module} {op}: {_describe_exit(proc.returncode)}{why} (log: {log_path})")
     return result
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.workers.protocol import last_error_line
 from pipeline.workers.reference import choose_placement, count_parameters
-from pipeline.workers.serving import first_divergence, last_error_line
+from pipeline.workers.serving import first_divergence
 from pipeline.workers.vllm import check_version, release
 
 GIB = 1 << 30

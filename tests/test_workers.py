@@ -24,6 +24,19 @@ def test_crashing_engine_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         run_step("llamacpp", {"op": "toolchain"}, tmp_path / "log")
 
 
+def test_a_crash_names_the_engines_last_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What SGLang 0.5.17 printed on the H200 before its scheduler took the process down (SIGKILL)."""
+    said = "RuntimeError: Failed at gptq_marlin.cuh:667: Invalid thread config: thread_k = -1"
+    body = f"echo 'loading shards' >&2; echo '{said}' >&2; echo 'SIGQUIT received.' >&2; kill -KILL $$"
+    monkeypatch.setenv("PIPELINE_LLAMACPP_PYTHON", _script(tmp_path / "py", body))
+    (tmp_path / "log").write_text("RuntimeError: an earlier step's error, not this one's\n")
+    with pytest.raises(EngineError) as caught:
+        run_step("llamacpp", {"op": "toolchain"}, tmp_path / "log")
+    assert str(caught.value).startswith(
+        f"pipeline.workers.llamacpp toolchain: engine process crashed (SIGKILL): {said} (log: "
+    )
+
+
 def test_missing_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIPELINE_LLAMACPP_PYTHON", str(tmp_path / "no-such-python"))
     with pytest.raises(EngineError, match="cannot start"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -33,6 +34,16 @@ def installed_versions(*dists: str) -> dict[str, str]:
         with contextlib.suppress(PackageNotFoundError):
             found[dist] = version(dist)
     return found
+
+
+def last_error_line(output: str) -> str:
+    """The line of a server's output that says why it stopped: the last `...Error: ...` line, else
+    the last non-empty one."""
+    prefix = re.compile(r"^(\x1b\[[0-9;]*m)*(\(\S+ pid=\d+\)\s*)?")  # colour codes, "(APIServer pid=N) "
+    lines = [prefix.sub("", ln).strip() for ln in output.splitlines()]
+    lines = [ln for ln in lines if ln]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln.split("] ")[-1])]
+    return (errors or lines or ["no output"])[-1][:400]
 
 
 def worker_main(ops: dict[str, Op]) -> None:

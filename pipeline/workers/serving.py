@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import socket
 import subprocess
@@ -19,6 +18,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from pipeline.workers.protocol import last_error_line
 
 # The tolerance: the served answer may leave the offline greedy answer only where the offline
 # engine itself rated the two tokens within this many nats (a near-tie: the deploy command's CUDA
@@ -143,13 +144,3 @@ def first_divergence(
         "gap_nats": gap,
         "near_tie": gap is not None and gap <= NEAR_TIE_NATS,
     }
-
-
-def last_error_line(output: str) -> str:
-    """The line of a server's output that says why it stopped: the last `...Error: ...` line, else
-    the last non-empty one."""
-    prefix = re.compile(r"^(\x1b\[[0-9;]*m)*(\(\S+ pid=\d+\)\s*)?")  # colour codes, "(APIServer pid=N) "
-    lines = [prefix.sub("", ln).strip() for ln in output.splitlines()]
-    lines = [ln for ln in lines if ln]
-    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln.split("] ")[-1])]
-    return (errors or lines or ["no output"])[-1][:400]

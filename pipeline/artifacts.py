@@ -26,6 +26,7 @@ from pipeline.constants import (
     SOURCE_RECORD,
     STAGING_PREFIX,
     STEP_KEY_FILE,
+    VERSIONS_DIRNAME,
 )
 from pipeline.errors import BuildError, DiskFullError
 from pipeline.hashing import file_sha256
@@ -84,6 +85,9 @@ class Layout:
     def target_dir(self, target: str) -> Path:
         return self.recipe_dir / target
 
+    def versions_dir(self, target: str) -> Path:
+        return self.recipe_dir / VERSIONS_DIRNAME / target
+
     def new_staging(self, target: str) -> Path:
         """A fresh, empty directory beside the target; renamed into place when complete."""
         staging = self.recipe_dir / f"{STAGING_PREFIX}{target}-{os.getpid()}"
@@ -130,6 +134,58 @@ def publish(staging: Path, final: Path) -> None:
             old.rename(final)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def versions_dir_of(artifact_dir: Path) -> Path:
+    """Where the versions of the target whose workspace directory is `artifact_dir` are kept."""
+    return artifact_dir.parent / VERSIONS_DIRNAME / artifact_dir.name
+
+
+def version_numbers(versions_dir: Path) -> list[int]:
+    """The versions kept under a target's versions directory, ascending."""
+    if not versions_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in versions_dir.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def keep_version(artifact_dir: Path, versions_dir: Path) -> tuple[int, Path]:
+    """Record a complete artifact directory as the next version of its target: its files hard-linked
+    (copied where links are impossible) into `versions_dir/<N>/`, read-only, made under a temporary
+    name and renamed into place, so a version is complete or absent. Returns (N, its directory)."""
+    versions_dir.mkdir(parents=True, exist_ok=True)
+    tmp = versions_dir / f".tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        for src in sorted(artifact_dir.rglob("*")):
+            dst = tmp / src.relative_to(artifact_dir)
+            if src.is_dir():
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:  # another filesystem, or links not allowed
+                shutil.copy2(src, dst)
+            dst.chmod(0o444)  # nothing may rewrite a version in place (pipeline never does)
+        while True:
+            number = max(version_numbers(versions_dir), default=0) + 1
+            final = versions_dir / str(number)
+            try:
+                tmp.rename(final)  # fails if another process took this number first
+                return number, final
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_version(version_dir: Path) -> None:
+    """Delete one kept version (its files are read-only)."""
+    for p in version_dir.rglob("*"):
+        if p.is_file():
+            p.chmod(0o644)
+    shutil.rmtree(version_dir)
 
 
 def file_entries(directory: Path) -> list[FileEntry]:

@@ -19,7 +19,7 @@ from pipeline.environments import ENVIRONMENTS, run_step
 from pipeline.errors import EngineError, PipelineError, RegistryError, ValidationFailed
 from pipeline.manifest import Manifest, read_manifest
 from pipeline.project import Project, TargetResult
-from pipeline.registry import Registry
+from pipeline.registry import KEEP_VERSIONS, Registry
 
 app = typer.Typer(
     help="Build, validate and record LLM deployment artifacts from one recipe.", no_args_is_help=True
@@ -266,6 +266,9 @@ registry_app = typer.Typer(
 )
 app.add_typer(registry_app, name="registry")
 RefArg = Annotated[str, typer.Argument(help="RECIPE/TARGET")]
+VersionOpt = Annotated[
+    int | None, typer.Option("--version", help="A version number (default: the current one).")
+]
 
 
 def _registry() -> Registry:
@@ -286,18 +289,28 @@ def registry_list(
     ] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Every registered artifact (validated ones unless --all)."""
-    entries = _run(lambda: _registry().entries(include_failed=all_))
+    """Every target's current version (validated ones unless --all)."""
+    _version_table(_run(lambda: _registry().entries(include_failed=all_)), as_json)
+
+
+@registry_app.command("history")
+def registry_history(ref: RefArg, as_json: JsonOpt = False) -> None:
+    """Every kept version of one target, oldest first, with its stages."""
+    _version_table(_run(lambda: _registry().history(ref)), as_json)
+
+
+def _version_table(entries: list[dict[str, Any]], as_json: bool) -> None:
     if as_json:
         _emit(entries, True)
         return
     table = Table(title=f"registry {_registry().path}")
-    for col in ("recipe", "target", "engine", "quant", "gpu", "status", "verdicts", "stages"):
+    for col in ("recipe", "target", "version", "engine", "quant", "gpu", "status", "verdicts", "stages"):
         table.add_column(col)
     for e in entries:
         table.add_row(
             e["recipe"],
             e["target"],
+            f"{e['version']}{' (current)' if e['current'] else ''}",
             e["engine"],
             e["quant"],
             e["gpu_arch"] or "-",
@@ -309,9 +322,9 @@ def registry_list(
 
 
 @registry_app.command("show")
-def registry_show(ref: RefArg, as_json: JsonOpt = False) -> None:
-    """One artifact's registered manifest."""
-    _emit(_run(lambda: _registry().show(ref)), as_json)
+def registry_show(ref: RefArg, version: VersionOpt = None, as_json: JsonOpt = False) -> None:
+    """One version's registered manifest (default: the current version)."""
+    _emit(_run(lambda: _registry().show(ref, version)), as_json)
 
 
 @registry_app.command("resolve")
@@ -327,7 +340,7 @@ def registry_resolve(
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Exactly one artifact: path or DVC location, files with sha256, serve command."""
+    """Exactly one version: where its bytes are (path, DVC location), files with sha256, serve command."""
     _emit(
         _run(lambda: _registry().resolve(model, engine, quant, gpu_arch, stage, all_, engine_version)),
         as_json,
@@ -353,10 +366,22 @@ def registry_verify(
 def registry_promote(
     ref: RefArg,
     stage: Annotated[str, typer.Option("--stage", help="dev, staging or prod")],
+    version: VersionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Put a validated, intact artifact into a stage."""
-    _emit(_run(lambda: _registry().promote(ref, stage)), as_json)
+    """Point a stage at one validated, intact version; it stays there until the next promote."""
+    _emit(_run(lambda: _registry().promote(ref, stage, version)), as_json)
+
+
+@registry_app.command("gc")
+def registry_gc(
+    keep: Annotated[
+        int, typer.Option(help="Newest versions kept per target, beside current and staged ones.")
+    ] = (KEEP_VERSIONS),
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete kept versions beyond the policy (never the current or a staged one)."""
+    _emit(_run(lambda: _registry().gc(keep)), as_json)
 
 
 @registry_app.command("rebuild")

@@ -17,6 +17,9 @@ CACHE_DIRNAME = ".cache"
 LOGS_DIRNAME = ".logs"
 LOCKS_DIRNAME = ".locks"  # one lock file per target, held while it is built
 STAGING_PREFIX = ".staging-"
+# Every published build of a target, immutable: artifacts/<recipe>/.versions/<target>/<N>/ (the
+# files hard-linked, so the version the workspace holds costs no space twice).
+VERSIONS_DIRNAME = ".versions"
 # Fixed paths under artifacts/<recipe>/ that DVC stages declare (source record, reference,
 # per-target metrics and plot points; see dvc.yaml).
 SOURCE_RECORD = ".source.json"

@@ -11,8 +11,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import Layout, artifacts_root, build_lock, file_entries, publish, write_json_atomic
-from pipeline.constants import MANIFEST_NAME, MANIFEST_SCHEMA, STATUS_UNAVAILABLE
+from pipeline.artifacts import (
+    Layout,
+    artifacts_root,
+    build_lock,
+    file_entries,
+    keep_version,
+    publish,
+    write_json_atomic,
+)
+from pipeline.constants import MANIFEST_NAME, MANIFEST_SCHEMA, STATUS_PASSED, STATUS_UNAVAILABLE
 from pipeline.errors import DiskFullError, PipelineError, RecipeError, RegistryError
 from pipeline.hashing import json_sha256
 from pipeline.manifest import BuildInfo, Manifest, ServeInfo, StepRecord, read_manifest, write_manifest
@@ -212,16 +220,27 @@ class Project:
                 trtllm=built.trtllm,
             )
             write_manifest(staging, manifest)
-            publish(staging, final)
-            self.registry.register(final)
-            self._write_metrics(name, manifest, spec.gpu_host)
+            _, kept = keep_version(staging, self.layout.versions_dir(name))
+            # a failed build is a version of its own but never displaces a passing one
+            replace = validation.status == STATUS_PASSED or not _passes(final)
+            if replace:
+                publish(staging, final)
+            self.registry.add_version(kept, current=final if replace else None)
+            if replace:
+                self._write_metrics(name, manifest, spec.gpu_host)
         except OSError as exc:
             if is_disk_full(exc):
                 raise DiskFullError(f"{name}: no space left on device in {self.layout.recipe_dir}") from None
             raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        return _result(name, "built", final, manifest)
+        result = _result(name, "built", final if replace else kept, manifest)
+        if not replace:
+            result.message = (
+                f"{result.message}; kept as version {kept.name} ({kept}); the workspace keeps the "
+                "previous version, which passed"
+            )
+        return result
 
     def _write_metrics(self, target: str, manifest: Manifest, gpu_host: bool) -> None:
         """One target's numbers, for `dvc metrics show` and the recipe's report."""
@@ -256,6 +275,14 @@ def inputs_sha256(
             "toolchain": toolchain,
         }
     )
+
+
+def _passes(artifact_dir: Path) -> bool:
+    """Whether a workspace directory holds an artifact whose validation passed."""
+    try:
+        return read_manifest(artifact_dir).validation.status == STATUS_PASSED
+    except RegistryError:
+        return False
 
 
 def _result(name: str, outcome: str, path: Path, manifest: Manifest) -> TargetResult:

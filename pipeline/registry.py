@@ -1,8 +1,12 @@
-"""The artifact registry: one SQLite index over every manifest, and the queries deploy jobs run.
+"""The artifact registry: immutable versions of every target, stages that point at a version, and
+the queries deploy jobs run.
 
-The manifests are the truth; the index (`<artifacts>/registry.sqlite`) is derived from them and
-can always be rebuilt (`pipeline registry rebuild`). SQLite's own locking makes concurrent
-builds safe: each registration is one short write transaction, with a busy timeout.
+Every publish of a target is a new version, kept under `artifacts/<recipe>/.versions/<target>/<N>/`
+(pipeline.artifacts.keep_version); the workspace directory `artifacts/<recipe>/<target>/` holds the
+current build. The manifests on disk are the truth; the index (`<artifacts>/registry.sqlite`) is
+derived from them and can always be rebuilt (`pipeline registry rebuild`). A stage points at one
+version and moves only when someone promotes; a rebuild never moves it. SQLite's own locking makes
+concurrent builds and promotes safe: each write is one short transaction, with a busy timeout.
 """
 
 from __future__ import annotations
@@ -15,33 +19,53 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import iter_artifacts, verify_files
-from pipeline.constants import ENGINE_VERSION_SOURCES, MANIFEST_NAME, STATUS_PASSED
-from pipeline.errors import RegistryError
+from pipeline.artifacts import (
+    Layout,
+    build_lock,
+    keep_version,
+    remove_version,
+    verify_files,
+    version_numbers,
+    versions_dir_of,
+)
+from pipeline.constants import (
+    ENGINE_VERSION_SOURCES,
+    MANIFEST_NAME,
+    STATUS_PASSED,
+    VERSIONS_DIRNAME,
+)
+from pipeline.errors import BuildError, RegistryError
 from pipeline.hashing import file_sha256
-from pipeline.manifest import FileEntry, Manifest, read_manifest
+from pipeline.manifest import Manifest, read_manifest
 from pipeline.workspace import dvc_location, gto_assign
 
 INDEX_NAME = "registry.sqlite"
 STAGES = ("dev", "staging", "prod")
+KEEP_VERSIONS = 3  # `registry gc` keeps the current, the staged and this many newest versions
+SCHEMA_VERSION = 2  # 2: versions (1: one row per target, replaced by every rebuild)
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS verdicts (
-    recipe TEXT NOT NULL, target TEXT NOT NULL, engine TEXT NOT NULL,
-    status TEXT NOT NULL, engine_version TEXT,
-    PRIMARY KEY (recipe, target, engine)
+CREATE TABLE IF NOT EXISTS versions (
+    recipe TEXT NOT NULL, target TEXT NOT NULL, version INTEGER NOT NULL, path TEXT NOT NULL,
+    kind TEXT, engine TEXT, format TEXT, quant TEXT, gpu_arch TEXT, status TEXT,
+    manifest_sha256 TEXT NOT NULL, inputs_sha256 TEXT, manifest TEXT NOT NULL, registered_at TEXT,
+    PRIMARY KEY (recipe, target, version)
 );
-CREATE TABLE IF NOT EXISTS artifacts (
-    recipe TEXT NOT NULL, target TEXT NOT NULL, path TEXT NOT NULL,
-    kind TEXT, engine TEXT, format TEXT, quant TEXT, gpu_arch TEXT,
-    status TEXT, manifest_sha256 TEXT NOT NULL, manifest TEXT NOT NULL, registered_at TEXT,
+CREATE TABLE IF NOT EXISTS verdicts (
+    recipe TEXT NOT NULL, target TEXT NOT NULL, version INTEGER NOT NULL, engine TEXT NOT NULL,
+    status TEXT NOT NULL, engine_version TEXT,
+    PRIMARY KEY (recipe, target, version, engine)
+);
+CREATE TABLE IF NOT EXISTS current (
+    recipe TEXT NOT NULL, target TEXT NOT NULL, version INTEGER NOT NULL, path TEXT NOT NULL,
     PRIMARY KEY (recipe, target)
 );
 CREATE TABLE IF NOT EXISTS stages (
-    recipe TEXT NOT NULL, target TEXT NOT NULL, stage TEXT NOT NULL,
+    recipe TEXT NOT NULL, target TEXT NOT NULL, stage TEXT NOT NULL, version INTEGER NOT NULL,
     manifest_sha256 TEXT NOT NULL, promoted_at TEXT,
     PRIMARY KEY (recipe, target, stage)
 );
 """
+_VERSION_COLUMNS = ("recipe", "target", "version", "path", "kind", "engine", "format", "quant", "gpu_arch")
 
 
 class Registry:
@@ -57,7 +81,8 @@ class Registry:
         try:
             conn = sqlite3.connect(self.path, timeout=60, isolation_level=None)
             conn.execute("PRAGMA journal_mode=WAL")
-            conn.executescript(_SCHEMA)
+            if conn.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+                _create_schema(conn, self.path)
         except sqlite3.DatabaseError as exc:
             raise RegistryError(
                 f"registry index {self.path} is unreadable ({exc}). To resolve, run "
@@ -68,73 +93,145 @@ class Registry:
         finally:
             conn.close()
 
-    def register(self, artifact_dir: Path) -> None:
-        """Add or replace one artifact's rows from its manifest (validated: a manifest that does
-        not match the schema is a RegistryError naming it)."""
-        manifest = read_manifest(artifact_dir)
+    # --- writing -------------------------------------------------------------------------------
+
+    def add_version(self, version_dir: Path, current: Path | None = None) -> int:
+        """Index a kept version (`.versions/<target>/<N>/`); with `current`, it is also what the
+        workspace directory `current` now holds. Returns N."""
+        manifest = read_manifest(version_dir)
+        number = int(version_dir.name)
         with self._db() as db:
             db.execute("BEGIN IMMEDIATE")
-            _insert(db, artifact_dir, manifest)
+            _insert_version(db, version_dir, number, manifest)
+            if current is not None:
+                db.execute(
+                    "INSERT OR REPLACE INTO current VALUES (?,?,?,?)",
+                    (manifest.recipe, manifest.target, number, str(current.resolve())),
+                )
             db.execute("COMMIT")
+        return number
+
+    def register(self, artifact_dir: Path) -> int:
+        """Index the workspace directory of a target as its current version: the kept version with
+        the same manifest, else (an artifact made before versions, or written by hand) a new
+        version kept now. A manifest that does not match the schema is a RegistryError naming it."""
+        read_manifest(artifact_dir)  # validates
+        number = _matching_version(artifact_dir)
+        if number is None:
+            number, _ = keep_version(artifact_dir, versions_dir_of(artifact_dir))
+        return self.add_version(versions_dir_of(artifact_dir) / str(number), current=artifact_dir)
 
     def rebuild(self) -> int:
-        """Recreate the index from the manifests on disk (stages kept where still valid)."""
+        """Recreate the index from the manifests on disk: every kept version, and each workspace
+        directory as its target's current version (kept as a version first if it is not one).
+        Stages are kept where their version still exists with the same manifest. Returns the
+        number of targets."""
         stages: list[tuple[Any, ...]] = []
         if self.path.exists():
-            try:
-                with self._db() as db:
-                    stages = db.execute("SELECT * FROM stages").fetchall()
-            except RegistryError:
-                stages = []
+            stages = _old_stages(self.path)
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{self.path}{suffix}").unlink(missing_ok=True)
-        found = list(iter_artifacts(self.root))
+        workspaces = list(_workspace_dirs(self.root))
+        for artifact_dir in workspaces:
+            read_manifest(artifact_dir)  # a damaged manifest stops the rebuild, by name
+            if _matching_version(artifact_dir) is None:
+                keep_version(artifact_dir, versions_dir_of(artifact_dir))
+        currents = {(d.parent.name, d.name): d for d in workspaces}
         with self._db() as db:
             db.execute("BEGIN IMMEDIATE")
-            current = {(m.recipe, m.target): _insert(db, d, m) for d, m in found}
-            db.executemany(
-                "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?)",
-                [s for s in stages if current.get((s[0], s[1])) == s[3]],
-            )
+            shas = {}
+            for version_dir in _version_dirs(self.root):
+                manifest = read_manifest(version_dir)
+                number = int(version_dir.name)
+                shas[(manifest.recipe, manifest.target, number)] = _insert_version(
+                    db, version_dir, number, manifest
+                )
+            for (recipe, target), artifact_dir in currents.items():
+                number = _matching_version(artifact_dir)
+                db.execute(
+                    "INSERT OR REPLACE INTO current VALUES (?,?,?,?)",
+                    (recipe, target, number, str(artifact_dir.resolve())),
+                )
+            by_sha = {(r, t, sha): n for (r, t, n), sha in shas.items()}
+            for recipe, target, stage, sha, promoted_at in stages:
+                number = by_sha.get((recipe, target, sha))
+                if number is not None:
+                    db.execute(
+                        "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?,?)",
+                        (recipe, target, stage, number, sha, promoted_at),
+                    )
             db.execute("COMMIT")
-        return len(found)
+        return len({(recipe, target) for recipe, target, _ in shas})
 
-    def entries(self, include_failed: bool = True) -> list[dict[str, Any]]:
-        """Every registered artifact with its stages and each engine's verdict (`engines`);
-        validated ones (the primary engine's verdict `passed`) unless include_failed."""
+    # --- reading -------------------------------------------------------------------------------
+
+    def versions(self, include_failed: bool = True) -> list[dict[str, Any]]:
+        """Every kept version with its stages, whether it is current, and each engine's verdict."""
         with self._db() as db:
             rows = db.execute(
-                "SELECT a.recipe, a.target, a.path, a.kind, a.engine, a.format, a.quant, a.gpu_arch, "
-                "a.status, a.manifest_sha256, group_concat(s.stage) FROM artifacts a LEFT JOIN stages s "
-                "ON s.recipe = a.recipe AND s.target = a.target AND s.manifest_sha256 = a.manifest_sha256 "
-                "GROUP BY a.recipe, a.target ORDER BY a.recipe, a.target"
+                "SELECT v.recipe, v.target, v.version, v.path, v.kind, v.engine, v.format, v.quant, "
+                "v.gpu_arch, v.status, v.manifest_sha256, v.registered_at, c.path, "
+                "(SELECT group_concat(s.stage) FROM stages s WHERE s.recipe = v.recipe AND "
+                "s.target = v.target AND s.version = v.version) "
+                "FROM versions v LEFT JOIN current c ON c.recipe = v.recipe AND c.target = v.target "
+                "AND c.version = v.version ORDER BY v.recipe, v.target, v.version"
             ).fetchall()
             verdicts = db.execute(
-                "SELECT recipe, target, engine, status, engine_version FROM verdicts"
+                "SELECT recipe, target, version, engine, status, engine_version FROM verdicts"
             ).fetchall()
-        engines: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
-        for recipe, target, engine, status, version in verdicts:
-            engines.setdefault((recipe, target), {})[engine] = {"status": status, "engine_version": version}
-        keys = ("recipe", "target", "path", "kind", "engine", "format", "quant", "gpu_arch", "status")
+        engines: dict[tuple[str, str, int], dict[str, dict[str, Any]]] = {}
+        for recipe, target, number, engine, status, version in verdicts:
+            engines.setdefault((recipe, target, number), {})[engine] = {
+                "status": status,
+                "engine_version": version,
+            }
         out = []
         for r in rows:
-            entry = dict(zip(keys, r[:9], strict=True))
-            entry["manifest_sha256"] = r[9]
-            entry["stages"] = sorted((r[10] or "").split(",")) if r[10] else []
-            entry["engines"] = engines.get((entry["recipe"], entry["target"]), {})
+            entry = dict(zip(_VERSION_COLUMNS, r[:9], strict=True))
+            entry["version_path"] = entry["path"]
+            entry["current"] = r[12] is not None
+            if entry["current"]:
+                entry["path"] = r[12]  # the workspace directory: the same bytes
+            entry.update(status=r[9], manifest_sha256=r[10], registered_at=r[11])
+            entry["stages"] = sorted(r[13].split(",")) if r[13] else []
+            entry["engines"] = engines.get((entry["recipe"], entry["target"], entry["version"]), {})
             if include_failed or entry["status"] == STATUS_PASSED:
                 out.append(entry)
         return out
 
-    def show(self, ref: str) -> dict[str, Any]:
+    def entries(self, include_failed: bool = True) -> list[dict[str, Any]]:
+        """Each target's current version (what `registry list` shows); validated ones (the
+        primary engine's verdict `passed`) unless include_failed."""
+        return [e for e in self.versions(include_failed) if e["current"]]
+
+    def history(self, ref: str) -> list[dict[str, Any]]:
+        """Every kept version of RECIPE/TARGET, oldest first."""
         recipe, target = _split(ref)
-        with self._db() as db:
-            row = db.execute(
-                "SELECT manifest, path FROM artifacts WHERE recipe = ? AND target = ?", (recipe, target)
-            ).fetchone()
-        if row is None:
+        found = [e for e in self.versions() if e["recipe"] == recipe and e["target"] == target]
+        if not found:
             raise RegistryError(f"no artifact {ref} in the registry (try `pipeline registry list`)")
-        return {"path": row[1], **json.loads(row[0])}
+        return found
+
+    def show(self, ref: str, version: int | None = None) -> dict[str, Any]:
+        """The manifest of RECIPE/TARGET's current version (or `version`), with its path and number."""
+        entry = self._entry(ref, version)
+        with self._db() as db:
+            (manifest,) = db.execute(
+                "SELECT manifest FROM versions WHERE recipe = ? AND target = ? AND version = ?",
+                (entry["recipe"], entry["target"], entry["version"]),
+            ).fetchone()
+        return {"path": entry["path"], "version": entry["version"], **json.loads(manifest)}
+
+    def _entry(self, ref: str, version: int | None) -> dict[str, Any]:
+        found = self.history(ref)
+        if version is None:
+            current = [e for e in found if e["current"]] or found[-1:]
+            return current[0]
+        match = [e for e in found if e["version"] == version]
+        if not match:
+            known = ", ".join(str(e["version"]) for e in found)
+            raise RegistryError(f"{ref} has no version {version} (versions: {known})")
+        return match[0]
 
     def resolve(
         self,
@@ -146,22 +243,27 @@ class Registry:
         include_failed: bool = False,
         engine_version: str | None = None,
     ) -> dict[str, Any]:
-        """Exactly one artifact for (model, engine, quant[, gpu arch][, stage][, engine version]),
-        or a clear error. An artifact resolves for an engine only where that engine's own verdict
-        is `passed` (a skipped engine never counts). Artifacts built for a GPU architecture
+        """Exactly one version for (model, engine, quant[, gpu arch][, stage][, engine version]),
+        or a clear error: with `stage`, the version that stage points at; without, each target's
+        newest version that passed. A version resolves for an engine only where that engine's own
+        verdict is `passed` (a skipped engine never counts). Versions built for a GPU architecture
         (TensorRT-LLM engines) match only that architecture; `engine_version` matches the version
-        of the engine that validated it."""
+        of the engine that validated it. The answer says where the version's bytes are."""
         same = [
             e
-            for e in self.entries(include_failed=True)
+            for e in self.versions()
             if e["recipe"] == model and engine in e["engines"] and e["quant"].lower() == quant.lower()
         ]
-        candidates = [
+        ok = [
             e
             for e in same
             if (include_failed or e["engines"][engine]["status"] == STATUS_PASSED)
             and (stage is None or stage in e["stages"])
         ]
+        newest: dict[tuple[str, str], dict[str, Any]] = {}
+        for e in ok:  # ascending versions: the last one of each target wins
+            newest[(e["recipe"], e["target"])] = e
+        candidates = list(newest.values())
         matches = [e for e in candidates if gpu_arch is None or e["gpu_arch"] in (None, gpu_arch)]
         if engine_version is not None:
             matches = [e for e in matches if e["engines"][engine]["engine_version"] == engine_version]
@@ -177,26 +279,36 @@ class Registry:
                     f"nothing resolves {query}: the matching artifacts were built for "
                     f"{', '.join(others)}, and an engine only runs on the GPU architecture that built it"
                 )
-            unvalidated = [
-                f"{e['recipe']}/{e['target']} ({engine} {e['engines'][engine]['status']})"
-                for e in same
-                if e["engines"][engine]["status"] != STATUS_PASSED
-            ]
+            unvalidated = sorted(
+                {
+                    f"{e['recipe']}/{e['target']} ({engine} {e['engines'][engine]['status']})"
+                    for e in same
+                    if e["engines"][engine]["status"] != STATUS_PASSED
+                    and (stage is None or stage in e["stages"])
+                    and e["recipe"] + "/" + e["target"] not in {f"{r}/{t}" for r, t in newest}
+                }
+            )
             hint = (
                 f" (artifacts whose validation did not pass are skipped: {', '.join(unvalidated)})"
                 if unvalidated and not include_failed
                 else ""
             )
+            if stage is not None and not hint:
+                hint = f" (no version is in stage {stage}: `pipeline registry promote` puts one there)"
             raise RegistryError(f"nothing resolves {query}{hint}")
         if len(matches) > 1:
             names = ", ".join(f"{m['recipe']}/{m['target']}" for m in matches)
             raise RegistryError(f"{query} is ambiguous: {names}; add --gpu-arch or --stage")
         entry = matches[0]
-        manifest = self.show(f"{entry['recipe']}/{entry['target']}")
+        manifest = self.show(f"{entry['recipe']}/{entry['target']}", entry["version"])
         verdict = manifest["validation"]["engines"][engine]
         return {
             **entry,
-            "dvc": dvc_location(Path(entry["path"]), entry["recipe"], entry["target"]),
+            "location": "workspace" if entry["current"] else "versions",
+            # DVC coordinates describe the workspace directory, so only the current version has them
+            "dvc": dvc_location(Path(entry["path"]), entry["recipe"], entry["target"])
+            if entry["current"]
+            else None,
             "toolchain": manifest["toolchain"],
             "files": manifest["files"],
             "serve": manifest["serve"],
@@ -206,54 +318,120 @@ class Registry:
             "verdict": {k: verdict.get(k) for k in ("status", "reason", "engine_version", "metrics")},
         }
 
-    def verify(self, ref: str, manifest_sha256: str | None = None) -> list[str]:
+    def verify(self, ref: str, manifest_sha256: str | None = None, version: int | None = None) -> list[str]:
         """Re-hash an artifact against its manifest and the index; empty list when intact.
 
-        `ref` is RECIPE/TARGET in this registry, or the directory of a fetched artifact (a deploy
-        job's copy): then its own manifest is checked, against `manifest_sha256` when given
-        (the value `resolve` printed), and every file against the manifest.
+        `ref` is RECIPE/TARGET in this registry (its current version, or `version`), or the
+        directory of a fetched artifact (a deploy job's copy): then its own manifest is checked,
+        against `manifest_sha256` when given (the value `resolve` printed), and every file
+        against the manifest.
         """
         if Path(ref).is_dir():
             return verify_fetched(Path(ref), manifest_sha256)
-        entry = self.show(ref)
-        directory = Path(entry["path"])
-        problems = verify_files(directory, [FileEntry.model_validate(f) for f in entry["files"]])
-        manifest_path = directory / MANIFEST_NAME
-        if not manifest_path.is_file():
-            problems.append(f"{MANIFEST_NAME}: missing")
-        else:
-            with self._db() as db:
-                (indexed,) = db.execute(
-                    "SELECT manifest_sha256 FROM artifacts WHERE recipe = ? AND target = ?", _split(ref)
-                ).fetchone()
-            if file_sha256(manifest_path) != indexed:
-                problems.append(f"{MANIFEST_NAME}: changed since it was registered")
+        entry = self._entry(ref, version)
+        problems = []
+        for directory in dict.fromkeys([Path(entry["path"]), Path(entry["version_path"])]):
+            manifest_path = directory / MANIFEST_NAME
+            if not manifest_path.is_file():
+                problems.append(f"{MANIFEST_NAME}: missing in {directory}")
+                continue
+            if file_sha256(manifest_path) != entry["manifest_sha256"]:
+                problems.append(f"{MANIFEST_NAME}: changed since version {entry['version']} was registered")
+                continue
+            files = read_manifest(directory).files
+            problems += [p for p in verify_files(directory, files) if p not in problems]
         return problems
 
-    def promote(self, ref: str, stage: str) -> dict[str, Any]:
-        """Mark the current manifest of an artifact as being in `stage` (validated ones only)."""
+    # --- stages and retention ------------------------------------------------------------------
+
+    def promote(self, ref: str, stage: str, version: int | None = None) -> dict[str, Any]:
+        """Point `stage` at one version of RECIPE/TARGET (default: the current one); validated,
+        intact versions only. The stage stays there until the next promote."""
         if stage not in STAGES:
             raise RegistryError(f"unknown stage {stage!r} (known: {', '.join(STAGES)})")
-        entry = self.show(ref)
-        if entry["validation"]["status"] != STATUS_PASSED:
-            raise RegistryError(
-                f"{ref} did not pass validation ({entry['validation']['status']}); not promoted"
-            )
-        problems = self.verify(ref)
+        entry = self._entry(ref, version)
+        name = f"{ref} version {entry['version']}"
+        if entry["status"] != STATUS_PASSED:
+            raise RegistryError(f"{name} did not pass validation ({entry['status']}); not promoted")
+        problems = self.verify(ref, version=entry["version"])
         if problems:
-            raise RegistryError(f"{ref} fails verification: {'; '.join(problems)}; not promoted")
+            raise RegistryError(f"{name} fails verification: {'; '.join(problems)}; not promoted")
         recipe, target = _split(ref)
-        with self._db() as db:
-            (sha,) = db.execute(
-                "SELECT manifest_sha256 FROM artifacts WHERE recipe = ? AND target = ?", (recipe, target)
-            ).fetchone()
-        tag = gto_assign(Path(entry["path"]), recipe, target, stage, sha)
+        sha = entry["manifest_sha256"]
+        # a GTO tag marks a commit whose lock describes the workspace: the current version only
+        tag = gto_assign(Path(entry["path"]), recipe, target, stage, sha) if entry["current"] else None
+        now = datetime.now(UTC).isoformat(timespec="seconds")
         with self._db() as db:
             db.execute(
-                "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?)",
-                (recipe, target, stage, sha, datetime.now(UTC).isoformat(timespec="seconds")),
+                "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?,?)",
+                (recipe, target, stage, entry["version"], sha, now),
             )
-        return {"artifact": ref, "stage": stage, "manifest_sha256": sha, "gto_tag": tag}
+        return {
+            "artifact": ref,
+            "version": entry["version"],
+            "stage": stage,
+            "manifest_sha256": sha,
+            "gto_tag": tag,
+        }
+
+    def gc(self, keep: int = KEEP_VERSIONS) -> dict[str, Any]:
+        """Delete kept versions beyond the policy: every target keeps its current version, every
+        staged version and its `keep` newest; the rest go (files and index rows). A target being
+        built is skipped (its build lock is held) and named in the answer."""
+        if keep < 1:
+            raise RegistryError(f"--keep must be at least 1 (got {keep})")
+        removed: list[str] = []
+        busy: list[str] = []
+        by_target: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for e in self.versions():
+            by_target.setdefault((e["recipe"], e["target"]), []).append(e)
+        for (recipe, target), found in by_target.items():
+            newest = {e["version"] for e in found[-keep:]}
+            doomed = [e for e in found if not (e["current"] or e["stages"] or e["version"] in newest)]
+            if not doomed:
+                continue
+            try:
+                with build_lock(Layout(self.root, recipe), target):
+                    for e in doomed:
+                        if self._forget(recipe, target, e["version"]):
+                            remove_version(Path(e["version_path"]))
+                            removed.append(f"{recipe}/{target} version {e['version']}")
+            except BuildError:
+                busy.append(f"{recipe}/{target}")
+        return {"removed": removed, "skipped_being_built": busy, "keep": keep}
+
+    def _forget(self, recipe: str, target: str, version: int) -> bool:
+        """Drop an unstaged version's index rows (False: it was promoted meanwhile; kept)."""
+        where = "recipe = ? AND target = ? AND version = ?"
+        with self._db() as db:
+            db.execute("BEGIN IMMEDIATE")
+            staged = db.execute(f"SELECT 1 FROM stages WHERE {where}", (recipe, target, version)).fetchone()
+            if staged is None:
+                for table in ("versions", "verdicts"):
+                    db.execute(f"DELETE FROM {table} WHERE {where}", (recipe, target, version))
+            db.execute("COMMIT")
+        return staged is None
+
+
+def _create_schema(conn: sqlite3.Connection, path: Path) -> None:
+    """Create the tables of a new index (one process does; the others wait and find them), or
+    refuse an index of another schema."""
+    conn.execute("BEGIN IMMEDIATE")
+    (schema,) = conn.execute("PRAGMA user_version").fetchone()
+    if schema != SCHEMA_VERSION:
+        if conn.execute("SELECT count(*) FROM sqlite_master WHERE type='table'").fetchone()[0]:
+            conn.execute("ROLLBACK")
+            conn.close()
+            raise RegistryError(
+                f"registry index {path} has schema {schema}, not {SCHEMA_VERSION} (it predates "
+                "versions). To resolve, run `pipeline registry rebuild`: the index is rebuilt from "
+                "the manifests and keeps its stages"
+            )
+        for statement in _SCHEMA.split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    conn.execute("COMMIT")
 
 
 def verify_fetched(directory: Path, manifest_sha256: str | None = None) -> list[str]:
@@ -283,15 +461,64 @@ def _split(ref: str) -> tuple[str, str]:
     return recipe, target
 
 
-def _insert(db: sqlite3.Connection, artifact_dir: Path, manifest: Manifest) -> str:
-    """Replace one artifact's index rows; returns its manifest sha256."""
+def _workspace_dirs(root: Path) -> Iterator[Path]:
+    """Every target's workspace directory (artifacts/<recipe>/<target>/ with a manifest)."""
+    if not root.is_dir():
+        return
+    for recipe_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for target_dir in sorted(p for p in recipe_dir.iterdir() if p.is_dir()):
+            if not target_dir.name.startswith(".") and (target_dir / MANIFEST_NAME).is_file():
+                yield target_dir
+
+
+def _version_dirs(root: Path) -> Iterator[Path]:
+    """Every kept version (artifacts/<recipe>/.versions/<target>/<N>/)."""
+    if not root.is_dir():
+        return
+    for recipe_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        versions = recipe_dir / VERSIONS_DIRNAME
+        if versions.is_dir():
+            for target_dir in sorted(p for p in versions.iterdir() if p.is_dir()):
+                for number in version_numbers(target_dir):
+                    yield target_dir / str(number)
+
+
+def _matching_version(artifact_dir: Path) -> int | None:
+    """The kept version whose manifest is byte-identical to the workspace directory's."""
     sha = file_sha256(artifact_dir / MANIFEST_NAME)
+    versions = versions_dir_of(artifact_dir)
+    for number in reversed(version_numbers(versions)):
+        kept = versions / str(number) / MANIFEST_NAME
+        if kept.is_file() and file_sha256(kept) == sha:
+            return number
+    return None
+
+
+def _old_stages(path: Path) -> list[tuple[Any, ...]]:
+    """(recipe, target, stage, manifest sha256, promoted_at) of an index about to be rebuilt, of
+    either schema; none from an unreadable one."""
+    try:
+        conn = sqlite3.connect(path, timeout=60)
+        try:
+            return conn.execute(
+                "SELECT recipe, target, stage, manifest_sha256, promoted_at FROM stages"
+            ).fetchall()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError:
+        return []
+
+
+def _insert_version(db: sqlite3.Connection, version_dir: Path, number: int, manifest: Manifest) -> str:
+    """Replace one version's index rows; returns its manifest sha256."""
+    sha = file_sha256(version_dir / MANIFEST_NAME)
     db.execute(
-        "INSERT OR REPLACE INTO artifacts VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+        "INSERT OR REPLACE INTO versions VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (
             manifest.recipe,
             manifest.target,
-            str(artifact_dir.resolve()),
+            number,
+            str(version_dir.resolve()),
             manifest.kind,
             manifest.engine,
             manifest.format,
@@ -299,17 +526,22 @@ def _insert(db: sqlite3.Connection, artifact_dir: Path, manifest: Manifest) -> s
             manifest.build.gpu_arch,
             manifest.validation.status,
             sha,
+            manifest.build.inputs_sha256,
             manifest.to_json(),
             datetime.now(UTC).isoformat(timespec="seconds"),
         ),
     )
-    db.execute("DELETE FROM verdicts WHERE recipe = ? AND target = ?", (manifest.recipe, manifest.target))
+    db.execute(
+        "DELETE FROM verdicts WHERE recipe = ? AND target = ? AND version = ?",
+        (manifest.recipe, manifest.target, number),
+    )
     db.executemany(
-        "INSERT INTO verdicts VALUES (?,?,?,?,?)",
+        "INSERT INTO verdicts VALUES (?,?,?,?,?,?)",
         [
             (
                 manifest.recipe,
                 manifest.target,
+                number,
                 engine,
                 v.status,
                 v.engine_version or _toolchain_version(manifest, engine),

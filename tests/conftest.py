@@ -168,7 +168,9 @@ def write_artifact(
 
     d = root / recipe / target
     d.mkdir(parents=True, exist_ok=True)
-    (d / "model.bin").write_bytes(f"{recipe}/{target}".encode() * 100)
+    weights = d / "model.bin"
+    weights.unlink(missing_ok=True)  # new files, as a build's publish makes: never rewritten in place
+    weights.write_bytes(f"{recipe}/{target}".encode() * 100)
     engines = {e: EngineVerdict(status=s) for e, s in (verdicts or {engine: status}).items()}
     manifest = Manifest(
         schema=MANIFEST_SCHEMA,

@@ -230,11 +230,12 @@ def test_a_second_build_of_the_same_target_is_refused(
 Q4 = {"kind": "gguf", "quant": "Q4_0", "gates": LOOSE}
 
 
-def test_a_gate_below_the_measured_value_fails_and_never_resolves(
+def test_a_gate_below_the_measured_value_fails_and_never_displaces_the_passing_version(
     tiny_recipe_dir: Path, _isolated_artifacts: Path
 ) -> None:
-    """The same artifact, measured once with loose gates, then gated just below what was
-    measured: `failed`, exit 7, the manifest says why, and resolve skips it."""
+    """The same artifact, measured once with loose gates, then rebuilt gated just below what was
+    measured: `failed`, exit 7, kept as version 2 with its reason; the workspace and `resolve`
+    still give version 1, which passed, and version 2 cannot be promoted."""
     recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets={"gguf-q4_0": Q4})
     [loose] = build_recipe(recipe, threads=2)
     assert loose.validation == "passed"
@@ -244,16 +245,24 @@ def test_a_gate_below_the_measured_value_fails_and_never_resolves(
     write_recipe(tiny_recipe_dir / "tiny.yaml", targets={"gguf-q4_0": tight})
     res = CliRunner().invoke(app, ["build", str(recipe), "--threads", "2"])
     assert res.exit_code == ValidationFailed.exit_code, res.output
-    assert "validation failed for gguf-q4_0" in res.output
-    manifest = read_json(_isolated_artifacts / "tiny" / "gguf-q4_0" / MANIFEST_NAME)
-    v = manifest["validation"]
+    assert "validation failed for gguf-q4_0" in res.output and "kept as version 2" in res.output
+    root = _isolated_artifacts / "tiny"
+    failed = read_json(root / ".versions" / "gguf-q4_0" / "2" / MANIFEST_NAME)
+    v = failed["validation"]
     assert v["status"] == "failed" and v["engines"]["llama.cpp"]["status"] == "failed"
     assert v["reason"] == f"kld_mean {measured:.5f} > {measured * 0.9}"
     assert v["metrics"]["kld_mean"] == pytest.approx(measured)  # same bytes, same number
-    with pytest.raises(RegistryError, match=r"validation did not pass are skipped: tiny/gguf-q4_0"):
-        Registry(_isolated_artifacts).resolve("tiny", "llama.cpp", "Q4_0")
-    with pytest.raises(RegistryError, match="did not pass validation"):
-        Registry(_isolated_artifacts).promote("tiny/gguf-q4_0", "prod")
+    assert read_json(root / "gguf-q4_0" / MANIFEST_NAME)["validation"]["status"] == "passed"
+
+    registry = Registry(_isolated_artifacts)
+    hit = registry.resolve("tiny", "llama.cpp", "Q4_0")
+    assert (hit["version"], hit["location"], hit["status"]) == (1, "workspace", "passed")
+    assert registry.verify("tiny/gguf-q4_0") == []
+    first, second = registry.history("tiny/gguf-q4_0")
+    assert (first["current"], second["current"], second["status"]) == (True, False, "failed")
+    with pytest.raises(RegistryError, match="version 2 did not pass validation"):
+        registry.promote("tiny/gguf-q4_0", "prod", version=2)
+    assert registry.promote("tiny/gguf-q4_0", "prod")["version"] == 1
 
 
 def _damage_before_validate(tmp_path: Path) -> str:

@@ -65,18 +65,107 @@ def test_verify_catches_a_flipped_byte(registry: Registry) -> None:
 def test_promote_and_resolve_by_stage(registry: Registry) -> None:
     registry.promote("m/gguf-q8_0", "prod")
     assert registry.resolve("m", "llama.cpp", "Q8_0", stage="prod")["stages"] == ["prod"]
-    with pytest.raises(RegistryError, match="nothing resolves"):
+    with pytest.raises(RegistryError, match="no version is in stage staging"):
         registry.resolve("m", "llama.cpp", "Q8_0", stage="staging")
     with pytest.raises(RegistryError, match="did not pass validation"):
         registry.promote("m/gguf-q4_0", "prod")
     with pytest.raises(RegistryError, match="unknown stage 'live'"):
         registry.promote("m/gguf-q8_0", "live")
-    # a rebuilt artifact (new manifest) is not in prod until promoted again
-    registry.register(_artifact(registry.root, "m", "gguf-q8_0", "llama.cpp", "Q8_0"))
-    (registry.root / "m" / "gguf-q8_0" / "model.bin").write_bytes(b"new weights")
-    registry.register(_rewrite(registry.root / "m" / "gguf-q8_0"))
-    with pytest.raises(RegistryError, match="nothing resolves"):
-        registry.resolve("m", "llama.cpp", "Q8_0", stage="prod")
+    with pytest.raises(RegistryError, match=r"m/gguf-q8_0 has no version 7 \(versions: 1\)"):
+        registry.promote("m/gguf-q8_0", "prod", version=7)
+
+
+def test_a_rebuild_never_moves_a_stage_and_the_promoted_bytes_survive(registry: Registry) -> None:
+    """promote -> rebuild (new bytes in the workspace) -> `resolve --stage prod` still answers the
+    promoted version, from its kept copy, intact; without a stage the new version answers."""
+    promoted = registry.promote("m/gguf-q8_0", "prod")
+    workspace = registry.root / "m" / "gguf-q8_0"
+    (workspace / "model.bin").unlink()  # a rebuild's publish: new files, never rewritten in place
+    (workspace / "model.bin").write_bytes(b"new weights")
+    registry.register(_rewrite(workspace))
+
+    prod = registry.resolve("m", "llama.cpp", "Q8_0", stage="prod")
+    assert (prod["version"], prod["location"], prod["current"]) == (1, "versions", False)
+    assert prod["manifest_sha256"] == promoted["manifest_sha256"] and prod["dvc"] is None
+    kept = Path(prod["path"])
+    assert kept == registry.root.resolve() / "m" / ".versions" / "gguf-q8_0" / "1"
+    assert (kept / "model.bin").read_bytes() == b"m/gguf-q8_0" * 100
+    assert registry.verify(str(kept), promoted["manifest_sha256"]) == []
+    latest = registry.resolve("m", "llama.cpp", "Q8_0")
+    assert (latest["version"], latest["location"], latest["stages"]) == (2, "workspace", [])
+    assert [(h["version"], h["current"], h["stages"]) for h in registry.history("m/gguf-q8_0")] == [
+        (1, False, ["prod"]),
+        (2, True, []),
+    ]
+    # the index is derived: rebuilt from disk, the stage still points at version 1
+    registry.rebuild()
+    assert registry.resolve("m", "llama.cpp", "Q8_0", stage="prod")["version"] == 1
+
+
+def test_gc_keeps_current_staged_and_newest_versions(registry: Registry) -> None:
+    workspace = registry.root / "m" / "gguf-q8_0"
+    for n in range(2, 7):  # versions 2..6, each with other bytes
+        (workspace / "model.bin").unlink()
+        (workspace / "model.bin").write_bytes(f"weights {n}".encode())
+        registry.register(_rewrite(workspace))
+        if n == 2:
+            registry.promote("m/gguf-q8_0", "staging")
+    result = registry.gc(keep=2)
+    assert result["removed"] == ["m/gguf-q8_0 version 1", "m/gguf-q8_0 version 3", "m/gguf-q8_0 version 4"]
+    assert [h["version"] for h in registry.history("m/gguf-q8_0")] == [2, 5, 6]
+    assert sorted(p.name for p in (registry.root / "m" / ".versions" / "gguf-q8_0").iterdir()) == [
+        "2",
+        "5",
+        "6",
+    ]
+    assert registry.resolve("m", "llama.cpp", "Q8_0", stage="staging")["version"] == 2
+    assert registry.verify("m/gguf-q8_0", version=2) == []
+    with pytest.raises(RegistryError, match="--keep must be at least 1"):
+        registry.gc(keep=0)
+
+
+def test_gc_skips_a_target_being_built(registry: Registry) -> None:
+    from pipeline.artifacts import Layout, build_lock
+
+    workspace = registry.root / "m" / "gguf-q8_0"
+    (workspace / "model.bin").unlink()
+    (workspace / "model.bin").write_bytes(b"v2")
+    registry.register(_rewrite(workspace))
+    with build_lock(Layout(registry.root, "m"), "gguf-q8_0"):
+        result = registry.gc(keep=1)
+    assert result == {"removed": [], "skipped_being_built": ["m/gguf-q8_0"], "keep": 1}
+    assert len(registry.history("m/gguf-q8_0")) == 2
+    assert registry.gc(keep=1)["removed"] == ["m/gguf-q8_0 version 1"]
+
+
+def test_a_kept_version_that_changed_is_caught(registry: Registry) -> None:
+    kept = registry.root / "m" / ".versions" / "gguf-q8_0" / "1" / "model.bin"
+    kept.chmod(0o644)
+    kept.unlink()
+    kept.write_bytes(b"tampered")
+    assert registry.verify("m/gguf-q8_0") == ["model.bin: checksum mismatch"]
+    with pytest.raises(RegistryError, match=r"version 1 fails verification: model.bin: checksum mismatch"):
+        registry.promote("m/gguf-q8_0", "prod")
+
+
+def test_an_index_from_before_versions_asks_for_a_rebuild_and_keeps_its_stages(registry: Registry) -> None:
+    import sqlite3
+
+    sha = registry.history("m/gguf-q8_0")[0]["manifest_sha256"]
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{registry.path}{suffix}").unlink(missing_ok=True)
+    old = sqlite3.connect(registry.path)  # schema 1: one row per target, stages by manifest sha256
+    old.executescript(
+        "CREATE TABLE artifacts (recipe TEXT, target TEXT, path TEXT);"
+        "CREATE TABLE stages (recipe TEXT, target TEXT, stage TEXT, manifest_sha256 TEXT, promoted_at TEXT);"
+    )
+    old.execute("INSERT INTO stages VALUES ('m', 'gguf-q8_0', 'prod', ?, 'then')", (sha,))
+    old.commit()
+    old.close()
+    with pytest.raises(RegistryError, match=r"has schema 0, not 2 .*pipeline registry rebuild"):
+        registry.entries()
+    assert registry.rebuild() == 2
+    assert registry.resolve("m", "llama.cpp", "Q8_0", stage="prod")["version"] == 1
 
 
 def _rewrite(d: Path) -> Path:
@@ -103,6 +192,22 @@ def _register_many(root: str, worker: int) -> None:
         reg.register(_artifact(Path(root), f"r{worker}", f"gguf-t{i}", "llama.cpp", f"Q{i}"))
 
 
+def _version_many(root: str, worker: int) -> None:
+    """Keep 5 versions of one shared target and promote each (several processes at once)."""
+    from pipeline.artifacts import keep_version
+
+    reg = Registry(Path(root))
+    src = Path(root) / "builds" / f"w{worker}"
+    for i in range(5):
+        d = _artifact(src, "shared", "gguf-q8_0", "llama.cpp", "Q8_0")
+        (d / "model.bin").unlink()
+        (d / "model.bin").write_bytes(f"worker {worker} build {i}".encode())
+        _rewrite(d)
+        number, kept = keep_version(d, Path(root) / "shared" / ".versions" / "gguf-q8_0")
+        reg.add_version(kept)
+        reg.promote("shared/gguf-q8_0", "dev", version=number)
+
+
 def test_parallel_writers(tmp_path: Path) -> None:
     root = tmp_path / "artifacts"
     ctx = multiprocessing.get_context("spawn")
@@ -113,6 +218,21 @@ def test_parallel_writers(tmp_path: Path) -> None:
         p.join(120)
     assert [p.exitcode for p in procs] == [0] * 6
     assert len(Registry(root).entries()) == 6 * 15
+
+
+def test_parallel_builds_and_promotes_of_one_target_lose_no_version(tmp_path: Path) -> None:
+    root = tmp_path / "artifacts"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_version_many, args=(str(root), w)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * 4
+    history = Registry(root).history("shared/gguf-q8_0")
+    assert [h["version"] for h in history] == list(range(1, 21))
+    assert len({h["manifest_sha256"] for h in history}) == 20  # every build its own version
+    assert sum(h["stages"] == ["dev"] for h in history) == 1  # the stage points at exactly one
 
 
 def test_bad_reference(registry: Registry) -> None:

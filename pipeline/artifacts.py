@@ -7,6 +7,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -134,6 +135,50 @@ def publish(staging: Path, final: Path) -> None:
             old.rename(final)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+# Names of the temporaries a process makes and renames when done: staging dirs
+# (.staging-<target>-<pid>, .staging-old-<target>-<pid>) and `<name>.tmp-<pid>` (cached steps,
+# kept versions, atomic writes). A build killed outright (SIGKILL, power) leaves them behind.
+_LEFTOVER = re.compile(rf"^(?:{re.escape(STAGING_PREFIX)}.+-|.*\.tmp-|\.tmp-)(\d+)$")
+
+
+def sweep_leftovers(layout: Layout) -> list[Path]:
+    """Delete the temporaries of processes that no longer run, under one recipe's directory (its
+    top, its cache, its metrics and its versions); a live process's are left alone. Returns them."""
+    recipe_dir = layout.recipe_dir
+    places = [recipe_dir, layout.cache_dir, layout.metrics_dir, recipe_dir / VERSIONS_DIRNAME]
+    if (recipe_dir / VERSIONS_DIRNAME).is_dir():
+        places += [p for p in (recipe_dir / VERSIONS_DIRNAME).iterdir() if p.is_dir()]
+    removed = []
+    for place in places:
+        if not place.is_dir():
+            continue
+        for path in place.iterdir():
+            match = _LEFTOVER.match(path.name)
+            if match is None or _running(int(match.group(1))):
+                continue
+            if path.is_dir() and not path.is_symlink():
+                for p in path.rglob("*"):  # kept-version temporaries are read-only
+                    if p.is_file():
+                        p.chmod(0o644)
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
 
 
 def versions_dir_of(artifact_dir: Path) -> Path:

@@ -32,7 +32,7 @@ from pipeline.constants import (
     ENV_VLLM,
 )
 from pipeline.errors import DiskFullError, EngineError
-from pipeline.workers.protocol import last_error_line
+from pipeline.workers.protocol import dying_with_parent, last_error_line
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -204,7 +204,7 @@ def run_step(
             step_start = log.tell()
             try:
                 proc = subprocess.Popen(
-                    [python, "-m", module, str(req), str(res)],
+                    dying_with_parent([python, "-m", module, str(req), str(res)], python),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=child_env,

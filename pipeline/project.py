@@ -18,6 +18,7 @@ from pipeline.artifacts import (
     file_entries,
     keep_version,
     publish,
+    sweep_leftovers,
     write_json_atomic,
 )
 from pipeline.constants import MANIFEST_NAME, MANIFEST_SCHEMA, STATUS_PASSED, STATUS_UNAVAILABLE
@@ -120,6 +121,7 @@ class Project:
         resolved when the first target needs it.
         """
         ctx = self.context(reporter, threads)
+        sweep_leftovers(self.layout)  # what builds killed outright left behind
         results = []
         for name, spec in self.select(names).items():
             t0 = time.perf_counter()
@@ -145,6 +147,7 @@ class Project:
 
     def prepare_reference(self, reporter: Reporter | None = None) -> Path:
         """Compute (or reuse) the transformers reference (the DVC `reference` stage's output)."""
+        sweep_leftovers(self.layout)
         return self.context(reporter).reference()[1]
 
     def report(self) -> list[dict[str, Any]]:

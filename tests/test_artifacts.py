@@ -63,3 +63,46 @@ def test_processes_racing_for_one_step_compute_it_once(tmp_path: Path) -> None:
     assert [p.exitcode for p in procs] == [0, 0, 0]
     assert (tmp_path / "runs").read_text().count("run") == 1
     assert (tmp_path / "step" / "out.txt").read_text() == "done"
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_later_build_removes_what_killed_builds_left_and_nothing_else(tmp_path: Path) -> None:
+    """What `kill -9` of a build leaves (a staging dir, the reference's temporary, a kept
+    version's temporary, a metrics temporary) goes; a live process's temporaries and every real
+    directory stay."""
+    import os
+
+    from pipeline.artifacts import Layout, sweep_leftovers
+
+    layout = Layout(tmp_path / "artifacts", "m")
+    dead, alive = _dead_pid(), os.getppid()
+    leftovers = [
+        layout.recipe_dir / f".staging-gguf-q8_0-{dead}",
+        layout.recipe_dir / f".staging-old-gguf-q8_0-{dead}",
+        layout.recipe_dir / f".reference.tmp-{dead}",
+        layout.cache_dir / f"gguf-base-f16.tmp-{dead}",
+        layout.versions_dir("gguf-q8_0") / f".tmp-{dead}",
+    ]
+    kept = [
+        layout.recipe_dir / f".staging-gguf-q4_0-{alive}",
+        layout.recipe_dir / "gguf-q8_0",
+        layout.recipe_dir / ".reference",
+        layout.versions_dir("gguf-q8_0") / "1",
+    ]
+    for d in leftovers + kept:
+        d.mkdir(parents=True)
+        (d / "weights.bin").write_bytes(b"x")
+    (leftovers[-1] / "weights.bin").chmod(0o444)  # a kept version's files are read-only
+    stray_file = layout.metrics_dir / f".gguf-q8_0.json.tmp-{dead}"
+    stray_file.parent.mkdir(parents=True)
+    stray_file.write_text("{")
+    assert sorted(sweep_leftovers(layout)) == sorted([*leftovers, stray_file])
+    assert not any(p.exists() for p in [*leftovers, stray_file])
+    assert all((d / "weights.bin").is_file() for d in kept)

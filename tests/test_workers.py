@@ -37,6 +37,40 @@ def test_a_crash_names_the_engines_last_error(tmp_path: Path, monkeypatch: pytes
     )
 
 
+def test_a_step_worker_dies_with_its_build(tmp_path: Path) -> None:
+    """`kill -9` of the build's process: its step worker (in a process group of its own, so the
+    kill does not reach it) is killed by the kernel at once instead of computing on as an orphan."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pidfile = tmp_path / "worker.pid"
+    # the environment's interpreter runs the real launcher, which then becomes a long "worker"
+    worker = _script(
+        tmp_path / "py",
+        f'exec {sys.executable} "$1" "$2" "$3" sh -c "echo \\$\\$ > {pidfile}; exec sleep 300"',
+    )
+    build = (
+        "from pathlib import Path; from pipeline.environments import run_step\n"
+        f"run_step('llamacpp', {{'op': 'toolchain'}}, Path({str(tmp_path / 'log')!r}))\n"
+    )
+    env = {**os.environ, "PIPELINE_LLAMACPP_PYTHON": worker}
+    parent = subprocess.Popen([sys.executable, "-c", build], env=env)
+    deadline = time.monotonic() + 30
+    while not (pidfile.is_file() and pidfile.read_text().strip()):
+        assert time.monotonic() < deadline and parent.poll() is None, "the worker never started"
+        time.sleep(0.1)
+    pid = int(pidfile.read_text())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the worker outlived its build"
+        time.sleep(0.1)
+
+
 def test_missing_interpreter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIPELINE_LLAMACPP_PYTHON", str(tmp_path / "no-such-python"))
     with pytest.raises(EngineError, match="cannot start"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import os
 import re
 import sys
 import traceback
@@ -14,6 +15,22 @@ from pathlib import Path
 from typing import Any
 
 Op = Callable[[dict[str, Any]], dict[str, Any]]
+
+# `python -c DIE_WITH_PARENT PARENT_PID PROGRAM ARGS...`: on Linux, ask the kernel to SIGKILL this
+# process when its parent dies (PR_SET_PDEATHSIG = 1; kept across exec), give up if the parent is
+# already gone, then become PROGRAM. Every step worker and every server a serve check starts runs
+# under it, so none outlives the build that started it (a `kill -9` of the build included).
+DIE_WITH_PARENT = (
+    "import ctypes, os, sys\n"
+    "if sys.platform.startswith('linux'): ctypes.CDLL(None, use_errno=True).prctl(1, 9)\n"
+    "if os.getppid() != int(sys.argv[1]): os._exit(70)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def dying_with_parent(argv: list[str], python: str = sys.executable) -> list[str]:
+    """`argv` wrapped so that it dies with the process that starts it (DIE_WITH_PARENT)."""
+    return [python, "-c", DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 def is_disk_full(exc: BaseException) -> bool:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.workers.protocol import last_error_line
+from pipeline.workers.protocol import dying_with_parent, last_error_line
 
 # The tolerance: the served answer may leave the offline greedy answer only where the offline
 # engine itself rated the two tokens within this many nats (a near-tie: the deploy command's CUDA
@@ -74,7 +74,7 @@ def serve_check(req: dict[str, Any], engine: str, ask: Ask) -> dict[str, Any]:
         server_log = Path(name)
     print(f"serve check: {' '.join(cmd)} (server log: {server_log})", flush=True)
     with open(server_log, "w") as out:
-        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(dying_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         while True:

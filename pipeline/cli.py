@@ -367,10 +367,13 @@ def registry_promote(
     ref: RefArg,
     stage: Annotated[str, typer.Option("--stage", help="dev, staging or prod")],
     version: VersionOpt = None,
+    local: Annotated[
+        bool, typer.Option("--local", help="Allow a version only this host can serve (no DVC coordinates).")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Point a stage at one validated, intact version; it stays there until the next promote."""
-    _emit(_run(lambda: _registry().promote(ref, stage, version)), as_json)
+    _emit(_run(lambda: _registry().promote(ref, stage, version, local)), as_json)
 
 
 @registry_app.command("gc")

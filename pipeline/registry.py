@@ -37,7 +37,7 @@ from pipeline.constants import (
 from pipeline.errors import BuildError, RegistryError
 from pipeline.hashing import file_sha256
 from pipeline.manifest import Manifest, read_manifest
-from pipeline.workspace import dvc_location, gto_assign
+from pipeline.workspace import dvc_location, find_workspace, gto_assign
 
 INDEX_NAME = "registry.sqlite"
 STAGES = ("dev", "staging", "prod")
@@ -344,9 +344,13 @@ class Registry:
 
     # --- stages and retention ------------------------------------------------------------------
 
-    def promote(self, ref: str, stage: str, version: int | None = None) -> dict[str, Any]:
+    def promote(
+        self, ref: str, stage: str, version: int | None = None, local: bool = False
+    ) -> dict[str, Any]:
         """Point `stage` at one version of RECIPE/TARGET (default: the current one); validated,
-        intact versions only. The stage stays there until the next promote."""
+        intact versions only. The stage stays there until the next promote. In a git + DVC
+        workspace the version must be fetchable by a deploy job elsewhere (true DVC coordinates),
+        unless `local` (single host: deploy jobs read its kept copy here)."""
         if stage not in STAGES:
             raise RegistryError(f"unknown stage {stage!r} (known: {', '.join(STAGES)})")
         entry = self._entry(ref, version)
@@ -358,8 +362,25 @@ class Registry:
             raise RegistryError(f"{name} fails verification: {'; '.join(problems)}; not promoted")
         recipe, target = _split(ref)
         sha = entry["manifest_sha256"]
+        in_workspace = find_workspace(Path(entry["path"])) is not None
+        if in_workspace and not local:
+            location = dvc_location(Path(entry["path"]), recipe, target) if entry["current"] else None
+            why = (
+                "; ".join(location["missing"])
+                if location
+                else "it is not the workspace's current version, so no commit's dvc.lock names it"
+            )
+            if location is None or not location["fetchable"]:
+                raise RegistryError(
+                    f"{name} cannot be fetched by a deploy job elsewhere: {why}. To resolve, do that "
+                    "and promote again, or promote with --local (deploy jobs on this host only)"
+                )
         # a GTO tag marks a commit whose lock describes the workspace: the current version only
-        tag = gto_assign(Path(entry["path"]), recipe, target, stage, sha) if entry["current"] else None
+        tag = (
+            gto_assign(Path(entry["path"]), recipe, target, stage, sha)
+            if entry["current"] and in_workspace and not local
+            else None
+        )
         now = datetime.now(UTC).isoformat(timespec="seconds")
         with self._db() as db:
             db.execute(
@@ -372,6 +393,7 @@ class Registry:
             "stage": stage,
             "manifest_sha256": sha,
             "gto_tag": tag,
+            "local": local or not in_workspace,
         }
 
     def gc(self, keep: int = KEEP_VERSIONS) -> dict[str, Any]:

@@ -6,6 +6,7 @@ their imports. Outside a git + DVC workspace every function here answers None or
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,39 @@ class Workspace:
         )
         return res.stdout.strip() or str(self.root)
 
+    def dvc(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run the `dvc` installed beside this interpreter (else on PATH) in the work tree."""
+        dvc = shutil.which("dvc", path=str(Path(sys.executable).parent)) or shutil.which("dvc") or "dvc"
+        return subprocess.run([dvc, *args], cwd=self.root, capture_output=True, text=True)
+
+    def lock_entry(self, rel: str, rev: str | None = None) -> dict[str, Any] | None:
+        """The `outs` entry some dvc.lock records for the output `rel` (a path from the top):
+        the work tree's lock files, or those committed at `rev`."""
+        listed = self.git("ls-files", "--", ":(glob)**/dvc.lock") if rev else ""
+        locks = (
+            [Path(p) for p in listed.split()]
+            if rev
+            else [p.relative_to(self.root) for p in self.root.glob("**/dvc.lock") if ".dvc" not in p.parts]
+        )
+        for lock in locks:
+            if rev:
+                res = subprocess.run(
+                    ["git", "show", f"{rev}:{lock.as_posix()}"], cwd=self.root, capture_output=True, text=True
+                )
+                if res.returncode != 0:
+                    continue
+                text = res.stdout
+            else:
+                text = (self.root / lock).read_text()
+            stages = (yaml.safe_load(text) or {}).get("stages") or {}
+            for stage in stages.values():
+                for out in stage.get("outs") or []:
+                    # paths in a lock file are relative to its directory (gpu/dvc.lock: ../artifacts/...)
+                    path = (Path(lock).parent / out["path"]).as_posix()
+                    if _normal(path) == rel:
+                        return out
+        return None
+
     def declared_artifacts(self) -> dict[str, dict[str, Any]]:
         """The `artifacts:` section of dvc.yaml (DVC's own model registry names)."""
         data = yaml.safe_load((self.root / "dvc.yaml").read_text()) or {}
@@ -60,27 +94,59 @@ def artifact_name(recipe: str, target: str) -> str:
 def dvc_location(artifact_dir: Path, recipe: str, target: str) -> dict[str, Any] | None:
     """How a deploy job elsewhere fetches this artifact with DVC, or None outside a workspace.
 
-    `lock_committed` says whether HEAD's lock files are the ones in the work tree: only then does
-    `rev` describe these bytes (commit the lock files and `dvc push` after a build).
+    `fetchable` is true only when `dvc get --rev REV` gives exactly these bytes: the work tree's
+    bytes are what its dvc.lock records (`dvc status`), HEAD's committed lock records the same
+    hash (`lock_committed`), and, where a default remote is configured, the remote holds them
+    (`dvc status -c`). Otherwise `missing` says what to do (commit the lock, push).
     """
     ws = find_workspace(artifact_dir)
     if ws is None:
         return None
     rel = artifact_dir.resolve().relative_to(ws.root).as_posix()
     rev = ws.git("rev-parse", "HEAD")
-    # every pipeline's lock file (dvc.lock, gpu/dvc.lock): modified or never committed
-    dirty = ws.git("status", "--porcelain", "--", ":(glob)**/dvc.lock")
+    missing = []
+    here = ws.lock_entry(rel)
+    status = ws.dvc("status", rel, "--json")
+    if here is None or status.returncode != 0:
+        missing.append(f"{rel} is not an output of a DVC stage with a dvc.lock entry (run `dvc repro`)")
+    elif json.loads(status.stdout or "{}"):
+        missing.append(f"{rel} differs from what dvc.lock records (run `dvc commit` or `dvc repro`)")
+    committed = ws.lock_entry(rel, rev)
+    same_lock = here is not None and committed is not None and committed.get("md5") == here.get("md5")
+    lock_committed = same_lock and not missing  # HEAD's lock records the bytes in the work tree
+    if here is not None and not same_lock:
+        missing.append(
+            f"the dvc.lock committed at {rev[:12]} records other bytes for {rel} (commit dvc.lock)"
+        )
+    default_remote = ws.dvc("remote", "default")  # exit 1 and "No default remote set" when none
+    if not missing and default_remote.returncode == 0 and default_remote.stdout.strip():
+        remote = ws.dvc("status", "-c", rel, "--json")
+        if remote.returncode != 0 or json.loads(remote.stdout or "{}"):
+            missing.append(f"the default DVC remote does not hold {rel} (run `dvc push`)")
     name = artifact_name(recipe, target)
     location = {
         "repo": ws.url,
         "rev": rev,
         "path": rel,
-        "lock_committed": not dirty,
+        "lock_committed": lock_committed,
+        "fetchable": not missing,
+        "missing": missing,
         "get": f"dvc get {ws.url} {rel} --rev {rev} -o {target}",
     }
     if name in ws.declared_artifacts():
         location["artifact"] = name
     return location
+
+
+def _normal(path: str) -> str:
+    """`gpu/../artifacts/x` -> `artifacts/x` (a lock file's output path from the work tree's top)."""
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part == "..":
+            parts.pop()
+        elif part not in ("", "."):
+            parts.append(part)
+    return "/".join(parts)
 
 
 def gto_assign(artifact_dir: Path, recipe: str, target: str, stage: str, manifest_sha256: str) -> str | None:
@@ -101,9 +167,10 @@ def gto_assign(artifact_dir: Path, recipe: str, target: str, stage: str, manifes
         )
     location = dvc_location(artifact_dir, recipe, target)
     if location is None or not location["lock_committed"]:
+        why = "; ".join(location["missing"]) if location else "no DVC workspace"
         raise RegistryError(
-            f"dvc.lock has uncommitted changes in {ws.root}: a GTO tag on HEAD would not describe "
-            "this artifact. To resolve, commit dvc.lock (and `dvc push`), then promote again"
+            f"a GTO tag on HEAD would not describe this artifact: {why}. To resolve, do that, then "
+            "promote again"
         )
     gto = shutil.which("gto", path=str(Path(sys.executable).parent)) or shutil.which("gto")
     if gto is None:

@@ -352,3 +352,103 @@ def test_a_manifest_that_does_not_match_the_schema_is_a_registry_error(registry:
         registry.rebuild()
     res = CliRunner().invoke(app, ["show", "m/gguf-q8_0"], env={"PIPELINE_ARTIFACTS": str(registry.root)})
     assert res.exit_code == RegistryError.exit_code and "pipeline.artifact/v1" in res.output
+
+
+def _dvc_workspace(tmp_path: Path) -> tuple[Path, Registry]:
+    """A git + DVC work tree whose one stage outputs artifacts/m/gguf-q8_0 (recorded with `dvc
+    commit`: the registry's DVC checks are under test, not a build)."""
+    import subprocess
+    import sys
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    bin_dir = Path(sys.executable).parent
+
+    def run(*cmd: str) -> None:
+        tool = str(bin_dir / cmd[0]) if (bin_dir / cmd[0]).exists() else cmd[0]
+        subprocess.run([tool, *cmd[1:]], cwd=ws, check=True, capture_output=True)
+
+    run("git", "init", "-q")
+    run("git", "config", "user.email", "ci@example.com")
+    run("git", "config", "user.name", "ci")
+    run("dvc", "init", "-q")
+    _artifact(ws / "artifacts", "m", "gguf-q8_0", "llama.cpp", "Q8_0")
+    (ws / "dvc.yaml").write_text(
+        "stages:\n  m-gguf-q8_0:\n    cmd: 'true'\n    outs:\n      - artifacts/m/gguf-q8_0:\n"
+        "          persist: true\n"
+        "artifacts:\n  m-gguf-q8_0: {path: artifacts/m/gguf-q8_0, type: model}\n"
+    )
+    (ws / ".gitignore").write_text("/artifacts/registry.sqlite*\n/artifacts/m/.*\n")
+    run("dvc", "commit", "-f", "-q", "m-gguf-q8_0")
+    run("git", "add", "-A")
+    run("git", "commit", "-q", "-m", "build")
+    reg = Registry(ws / "artifacts")
+    reg.rebuild()
+    return ws, reg
+
+
+def _git_dvc(ws: Path, *cmd: str) -> None:
+    import subprocess
+    import sys
+
+    tool = Path(sys.executable).parent / cmd[0]
+    subprocess.run(
+        [str(tool) if tool.exists() else cmd[0], *cmd[1:]], cwd=ws, check=True, capture_output=True
+    )
+
+
+def test_dvc_coordinates_are_given_only_when_true(tmp_path: Path) -> None:
+    """`resolve` calls a version fetchable with `dvc get --rev` only when HEAD's dvc.lock records
+    its bytes and the default remote holds them; `promote` refuses one a deploy job cannot fetch
+    (unless --local); after promote -> rebuild, prod still resolves to the promoted version."""
+    ws, reg = _dvc_workspace(tmp_path)
+    hit = reg.resolve("m", "llama.cpp", "Q8_0")
+    assert hit["dvc"]["fetchable"] and hit["dvc"]["lock_committed"] and hit["dvc"]["missing"] == []
+
+    _git_dvc(ws, "dvc", "remote", "add", "-d", "store", str(tmp_path / "remote"))
+    (missing,) = reg.resolve("m", "llama.cpp", "Q8_0")["dvc"]["missing"]
+    assert missing == "the default DVC remote does not hold artifacts/m/gguf-q8_0 (run `dvc push`)"
+    with pytest.raises(RegistryError, match=r"version 1 cannot be fetched .*dvc push.*--local"):
+        reg.promote("m/gguf-q8_0", "prod")
+    _git_dvc(ws, "dvc", "push", "-q")
+    _git_dvc(ws, "git", "commit", "-q", "-am", "remote")
+    promoted = reg.promote("m/gguf-q8_0", "prod")
+    assert promoted["gto_tag"] == "m-gguf-q8_0#prod#1" and not promoted["local"]
+
+    # a rebuild: new bytes in the workspace, not yet recorded by DVC
+    workspace = ws / "artifacts" / "m" / "gguf-q8_0"
+    (workspace / "model.bin").unlink()
+    (workspace / "model.bin").write_bytes(b"rebuilt weights")
+    reg.register(_rewrite(workspace))
+    latest = reg.resolve("m", "llama.cpp", "Q8_0")
+    assert latest["version"] == 2 and not latest["dvc"]["fetchable"]
+    assert latest["dvc"]["missing"] == [
+        "artifacts/m/gguf-q8_0 differs from what dvc.lock records (run `dvc commit` or `dvc repro`)"
+    ]
+    assert not latest["dvc"]["lock_committed"]
+    prod = reg.resolve("m", "llama.cpp", "Q8_0", stage="prod")
+    assert (prod["version"], prod["location"], prod["dvc"]) == (1, "versions", None)
+    assert reg.verify(prod["path"], promoted["manifest_sha256"]) == []
+    with pytest.raises(RegistryError, match=r"differs from what dvc\.lock records"):
+        reg.promote("m/gguf-q8_0", "staging")
+    with pytest.raises(RegistryError, match="not the workspace's current version"):
+        reg.promote("m/gguf-q8_0", "staging", version=1)
+    assert reg.promote("m/gguf-q8_0", "staging", local=True) == {
+        "artifact": "m/gguf-q8_0",
+        "version": 2,
+        "stage": "staging",
+        "manifest_sha256": latest["manifest_sha256"],
+        "gto_tag": None,
+        "local": True,
+    }
+
+    _git_dvc(ws, "dvc", "commit", "-f", "-q", "m-gguf-q8_0")
+    _git_dvc(ws, "dvc", "push", "-q")
+    uncommitted = reg.resolve("m", "llama.cpp", "Q8_0")["dvc"]
+    assert not uncommitted["lock_committed"] and uncommitted["missing"] == [
+        f"the dvc.lock committed at {uncommitted['rev'][:12]} records other bytes for "
+        "artifacts/m/gguf-q8_0 (commit dvc.lock)"
+    ]
+    _git_dvc(ws, "git", "commit", "-q", "-am", "rebuild")
+    assert reg.resolve("m", "llama.cpp", "Q8_0")["dvc"]["fetchable"]
+    assert reg.resolve("m", "llama.cpp", "Q8_0", stage="prod")["version"] == 1  # until promoted again

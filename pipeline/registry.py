@@ -61,7 +61,7 @@ CREATE TABLE IF NOT EXISTS current (
 );
 CREATE TABLE IF NOT EXISTS stages (
     recipe TEXT NOT NULL, target TEXT NOT NULL, stage TEXT NOT NULL, version INTEGER NOT NULL,
-    manifest_sha256 TEXT NOT NULL, promoted_at TEXT,
+    manifest_sha256 TEXT NOT NULL, promoted_at TEXT, dvc TEXT,
     PRIMARY KEY (recipe, target, stage)
 );
 """
@@ -153,12 +153,12 @@ class Registry:
                     (recipe, target, number, str(artifact_dir.resolve())),
                 )
             by_sha = {(r, t, sha): n for (r, t, n), sha in shas.items()}
-            for recipe, target, stage, sha, promoted_at in stages:
+            for recipe, target, stage, sha, promoted_at, coordinates in stages:
                 number = by_sha.get((recipe, target, sha))
                 if number is not None:
                     db.execute(
-                        "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?,?)",
-                        (recipe, target, stage, number, sha, promoted_at),
+                        "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?,?,?)",
+                        (recipe, target, stage, number, sha, promoted_at, coordinates),
                     )
             db.execute("COMMIT")
         return len({(recipe, target) for recipe, target, _ in shas})
@@ -302,13 +302,15 @@ class Registry:
         entry = matches[0]
         manifest = self.show(f"{entry['recipe']}/{entry['target']}", entry["version"])
         verdict = manifest["validation"]["engines"][engine]
+        # the workspace's coordinates checked now; an older version's, as checked when it was promoted
+        if entry["current"]:
+            coordinates = dvc_location(Path(entry["path"]), entry["recipe"], entry["target"])
+        else:
+            coordinates = self._promoted_coordinates(entry["recipe"], entry["target"], entry["version"])
         return {
             **entry,
             "location": "workspace" if entry["current"] else "versions",
-            # DVC coordinates describe the workspace directory, so only the current version has them
-            "dvc": dvc_location(Path(entry["path"]), entry["recipe"], entry["target"])
-            if entry["current"]
-            else None,
+            "dvc": coordinates,
             "toolchain": manifest["toolchain"],
             "files": manifest["files"],
             "serve": manifest["serve"],
@@ -363,8 +365,10 @@ class Registry:
         recipe, target = _split(ref)
         sha = entry["manifest_sha256"]
         in_workspace = find_workspace(Path(entry["path"])) is not None
+        location = None
         if in_workspace and not local:
             location = dvc_location(Path(entry["path"]), recipe, target) if entry["current"] else None
+            location = location or self._promoted_coordinates(recipe, target, entry["version"])
             why = (
                 "; ".join(location["missing"])
                 if location
@@ -382,10 +386,19 @@ class Registry:
             else None
         )
         now = datetime.now(UTC).isoformat(timespec="seconds")
+        recorded = {**location, "checked_at": now} if location else None
         with self._db() as db:
             db.execute(
-                "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?,?)",
-                (recipe, target, stage, entry["version"], sha, now),
+                "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?,?,?)",
+                (
+                    recipe,
+                    target,
+                    stage,
+                    entry["version"],
+                    sha,
+                    now,
+                    json.dumps(recorded) if recorded else None,
+                ),
             )
         return {
             "artifact": ref,
@@ -395,6 +408,17 @@ class Registry:
             "gto_tag": tag,
             "local": local or not in_workspace,
         }
+
+    def _promoted_coordinates(self, recipe: str, target: str, version: int) -> dict[str, Any] | None:
+        """The DVC coordinates a version had when it was last promoted with them (the commit whose
+        dvc.lock recorded its bytes, pushed): still true for a version the workspace moved past."""
+        with self._db() as db:
+            row = db.execute(
+                "SELECT dvc FROM stages WHERE recipe = ? AND target = ? AND version = ? AND dvc IS NOT NULL "
+                "ORDER BY promoted_at DESC LIMIT 1",
+                (recipe, target, version),
+            ).fetchone()
+        return json.loads(row[0]) if row else None
 
     def gc(self, keep: int = KEEP_VERSIONS) -> dict[str, Any]:
         """Delete kept versions beyond the policy: every target keeps its current version, every
@@ -517,13 +541,15 @@ def _matching_version(artifact_dir: Path) -> int | None:
 
 
 def _old_stages(path: Path) -> list[tuple[Any, ...]]:
-    """(recipe, target, stage, manifest sha256, promoted_at) of an index about to be rebuilt, of
-    either schema; none from an unreadable one."""
+    """(recipe, target, stage, manifest sha256, promoted_at, dvc coordinates or None) of an index
+    about to be rebuilt, of either schema; none from an unreadable one."""
     try:
         conn = sqlite3.connect(path, timeout=60)
         try:
+            columns = {r[1] for r in conn.execute("PRAGMA table_info(stages)")}
+            coordinates = "dvc" if "dvc" in columns else "NULL"
             return conn.execute(
-                "SELECT recipe, target, stage, manifest_sha256, promoted_at FROM stages"
+                f"SELECT recipe, target, stage, manifest_sha256, promoted_at, {coordinates} FROM stages"
             ).fetchall()
         finally:
             conn.close()

@@ -414,6 +414,7 @@ def test_dvc_coordinates_are_given_only_when_true(tmp_path: Path) -> None:
     _git_dvc(ws, "git", "commit", "-q", "-am", "remote")
     promoted = reg.promote("m/gguf-q8_0", "prod")
     assert promoted["gto_tag"] == "m-gguf-q8_0#prod#1" and not promoted["local"]
+    promoted_at = reg.resolve("m", "llama.cpp", "Q8_0")["dvc"]["rev"]
 
     # a rebuild: new bytes in the workspace, not yet recorded by DVC
     workspace = ws / "artifacts" / "m" / "gguf-q8_0"
@@ -426,13 +427,19 @@ def test_dvc_coordinates_are_given_only_when_true(tmp_path: Path) -> None:
         "artifacts/m/gguf-q8_0 differs from what dvc.lock records (run `dvc commit` or `dvc repro`)"
     ]
     assert not latest["dvc"]["lock_committed"]
+    # prod: still version 1, from its kept copy here, and elsewhere at the commit it was promoted at
     prod = reg.resolve("m", "llama.cpp", "Q8_0", stage="prod")
-    assert (prod["version"], prod["location"], prod["dvc"]) == (1, "versions", None)
+    assert (prod["version"], prod["location"]) == (1, "versions")
     assert reg.verify(prod["path"], promoted["manifest_sha256"]) == []
+    assert prod["dvc"]["fetchable"] and prod["dvc"]["rev"] == promoted_at
+    _git_dvc(
+        tmp_path, "dvc", "get", str(ws), prod["dvc"]["path"], "--rev", prod["dvc"]["rev"], "-o", "fetched"
+    )
+    assert reg.verify(str(tmp_path / "fetched"), promoted["manifest_sha256"]) == []
     with pytest.raises(RegistryError, match=r"differs from what dvc\.lock records"):
         reg.promote("m/gguf-q8_0", "staging")
-    with pytest.raises(RegistryError, match="not the workspace's current version"):
-        reg.promote("m/gguf-q8_0", "staging", version=1)
+    # version 1 keeps the coordinates it was promoted with: it can go to another stage
+    assert reg.promote("m/gguf-q8_0", "dev", version=1)["gto_tag"] is None
     assert reg.promote("m/gguf-q8_0", "staging", local=True) == {
         "artifact": "m/gguf-q8_0",
         "version": 2,

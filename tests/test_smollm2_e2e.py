@@ -270,3 +270,18 @@ def test_push_promote_then_a_deploy_job_fetches_verifies_and_serves(workspace: P
 
     answer = serve_and_ask(hit["serve"]["command"], str(deploy / "by-stage"))
     assert answer["choices"][0]["text"].strip()
+
+    # A rebuild (same inputs, forced) is a new version in the workspace; prod does not move, and
+    # its coordinates (the commit it was promoted at) still fetch exactly the promoted bytes.
+    _run(workspace, "pipeline", "build", "recipes/smollm2-135m.yaml", "--targets", "gguf-q4_0", "--force")
+    query = ["--model", "smollm2-135m", "--engine", "llama.cpp", "--quant", "Q4_0", "--json"]
+    latest = json.loads(_run(workspace, "pipeline", "registry", "resolve", *query).stdout)
+    assert latest["version"] == hit["version"] + 1 and latest["location"] == "workspace"
+    after = json.loads(_run(workspace, "pipeline", "registry", "resolve", *query, "--stage", "prod").stdout)
+    assert (after["version"], after["location"]) == (hit["version"], "versions")
+    assert after["manifest_sha256"] == hit["manifest_sha256"] and after["dvc"]["rev"] == dvc["rev"]
+    _run(deploy, "dvc", "get", dvc["repo"], after["dvc"]["path"], "--rev", after["dvc"]["rev"], "-o", "after")
+    verified = _run(
+        deploy, "pipeline", "registry", "verify", "after", "--manifest-sha256", hit["manifest_sha256"]
+    )
+    assert verified.returncode == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -208,27 +209,26 @@ def _version_many(root: str, worker: int) -> None:
         reg.promote("shared/gguf-q8_0", "dev", version=number)
 
 
-def test_parallel_writers(tmp_path: Path) -> None:
-    root = tmp_path / "artifacts"
+def _in_processes(work: Callable[[str, int], None], root: Path, n: int) -> list[int | None]:
+    """Run work(root, worker) in n spawned processes at once; their exit codes."""
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_register_many, args=(str(root), w)) for w in range(6)]
+    procs = [ctx.Process(target=work, args=(str(root), w)) for w in range(n)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
-    assert [p.exitcode for p in procs] == [0] * 6
+    return [p.exitcode for p in procs]
+
+
+def test_parallel_writers(tmp_path: Path) -> None:
+    root = tmp_path / "artifacts"
+    assert _in_processes(_register_many, root, 6) == [0] * 6
     assert len(Registry(root).entries()) == 6 * 15
 
 
 def test_parallel_builds_and_promotes_of_one_target_lose_no_version(tmp_path: Path) -> None:
     root = tmp_path / "artifacts"
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_version_many, args=(str(root), w)) for w in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0] * 4
+    assert _in_processes(_version_many, root, 4) == [0] * 4
     history = Registry(root).history("shared/gguf-q8_0")
     assert [h["version"] for h in history] == list(range(1, 21))
     assert len({h["manifest_sha256"] for h in history}) == 20  # every build its own version

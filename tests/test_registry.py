@@ -139,6 +139,24 @@ def test_gc_skips_a_target_being_built(registry: Registry) -> None:
     assert registry.gc(keep=1)["removed"] == ["m/gguf-q8_0 version 1"]
 
 
+def test_gc_racing_a_promote_keeps_the_promoted_version(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gc decided from a listing taken before a promote of version 1: the delete re-checks the
+    stage in its own transaction and keeps it."""
+    workspace = registry.root / "m" / "gguf-q8_0"
+    (workspace / "model.bin").unlink()
+    (workspace / "model.bin").write_bytes(b"v2")
+    registry.register(_rewrite(workspace))
+    before = registry.versions()
+    registry.promote("m/gguf-q8_0", "prod", version=1)
+    monkeypatch.setattr(registry, "versions", lambda include_failed=True: before)
+    assert registry.gc(keep=1)["removed"] == []
+    monkeypatch.undo()
+    assert registry.resolve("m", "llama.cpp", "Q8_0", stage="prod")["version"] == 1
+    assert registry.verify("m/gguf-q8_0", version=1) == []
+
+
 def test_a_kept_version_that_changed_is_caught(registry: Registry) -> None:
     kept = registry.root / "m" / ".versions" / "gguf-q8_0" / "1" / "model.bin"
     kept.chmod(0o644)

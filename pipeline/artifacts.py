@@ -140,7 +140,7 @@ def publish(staging: Path, final: Path) -> None:
 # Names of the temporaries a process makes and renames when done: staging dirs
 # (.staging-<target>-<pid>, .staging-old-<target>-<pid>) and `<name>.tmp-<pid>` (cached steps,
 # kept versions, atomic writes). A build killed outright (SIGKILL, power) leaves them behind.
-_LEFTOVER = re.compile(rf"^(?:{re.escape(STAGING_PREFIX)}.+-|.*\.tmp-|\.tmp-)(\d+)$")
+_LEFTOVER = re.compile(rf"^(?:{re.escape(STAGING_PREFIX)}.+-|.*\.tmp-)(\d+)$")
 
 
 def sweep_leftovers(layout: Layout) -> list[Path]:
@@ -159,10 +159,7 @@ def sweep_leftovers(layout: Layout) -> list[Path]:
             if match is None or _running(int(match.group(1))):
                 continue
             if path.is_dir() and not path.is_symlink():
-                for p in path.rglob("*"):  # kept-version temporaries are read-only
-                    if p.is_file():
-                        p.chmod(0o644)
-                shutil.rmtree(path, ignore_errors=True)
+                shutil.rmtree(path, ignore_errors=True)  # read-only files go too: the dir is writable
             else:
                 path.unlink(missing_ok=True)
             removed.append(path)
@@ -223,14 +220,6 @@ def keep_version(artifact_dir: Path, versions_dir: Path) -> tuple[int, Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def remove_version(version_dir: Path) -> None:
-    """Delete one kept version (its files are read-only)."""
-    for p in version_dir.rglob("*"):
-        if p.is_file():
-            p.chmod(0o644)
-    shutil.rmtree(version_dir)
 
 
 def file_entries(directory: Path) -> list[FileEntry]:

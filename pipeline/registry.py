@@ -12,6 +12,7 @@ concurrent builds and promotes safe: each write is one short transaction, with a
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +24,6 @@ from pipeline.artifacts import (
     Layout,
     build_lock,
     keep_version,
-    remove_version,
     verify_files,
     version_numbers,
     versions_dir_of,
@@ -381,7 +381,7 @@ class Registry:
                 )
         # a GTO tag marks a commit whose lock describes the workspace: the current version only
         tag = (
-            gto_assign(Path(entry["path"]), recipe, target, stage, sha)
+            gto_assign(Path(entry["path"]), recipe, target, stage, sha, location)
             if entry["current"] and in_workspace and not local
             else None
         )
@@ -440,7 +440,7 @@ class Registry:
                 with build_lock(Layout(self.root, recipe), target):
                     for e in doomed:
                         if self._forget(recipe, target, e["version"]):
-                            remove_version(Path(e["version_path"]))
+                            shutil.rmtree(e["version_path"])  # read-only files, writable dir
                             removed.append(f"{recipe}/{target} version {e['version']}")
             except BuildError:
                 busy.append(f"{recipe}/{target}")

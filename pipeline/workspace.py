@@ -7,6 +7,7 @@ their imports. Outside a git + DVC workspace every function here answers None or
 from __future__ import annotations
 
 import json
+import posixpath
 import shutil
 import subprocess
 import sys
@@ -67,8 +68,7 @@ class Workspace:
             for stage in stages.values():
                 for out in stage.get("outs") or []:
                     # paths in a lock file are relative to its directory (gpu/dvc.lock: ../artifacts/...)
-                    path = (Path(lock).parent / out["path"]).as_posix()
-                    if _normal(path) == rel:
+                    if posixpath.normpath(f"{Path(lock).parent.as_posix()}/{out['path']}") == rel:
                         return out
         return None
 
@@ -138,22 +138,19 @@ def dvc_location(artifact_dir: Path, recipe: str, target: str) -> dict[str, Any]
     return location
 
 
-def _normal(path: str) -> str:
-    """`gpu/../artifacts/x` -> `artifacts/x` (a lock file's output path from the work tree's top)."""
-    parts: list[str] = []
-    for part in path.split("/"):
-        if part == "..":
-            parts.pop()
-        elif part not in ("", "."):
-            parts.append(part)
-    return "/".join(parts)
-
-
-def gto_assign(artifact_dir: Path, recipe: str, target: str, stage: str, manifest_sha256: str) -> str | None:
+def gto_assign(
+    artifact_dir: Path,
+    recipe: str,
+    target: str,
+    stage: str,
+    manifest_sha256: str,
+    location: dict[str, Any] | None = None,
+) -> str | None:
     """Tag HEAD `<name>#<stage>#N` with GTO when the artifact lives in a git + DVC workspace.
 
     Refused unless dvc.yaml declares the artifact and HEAD's dvc.lock is the work tree's (the
-    tag must point at a commit whose lock file describes these bytes). Returns the tag.
+    tag must point at a commit whose lock file describes these bytes). `location`: the artifact's
+    dvc_location if the caller has just checked it. Returns the tag.
     """
     ws = find_workspace(artifact_dir)
     if ws is None:
@@ -165,7 +162,7 @@ def gto_assign(artifact_dir: Path, recipe: str, target: str, stage: str, manifes
             f"{name} is not in dvc.yaml's `artifacts:` section. To resolve, add "
             f"`{name}: {{path: {rel}, type: model}}` there, commit, then promote again"
         )
-    location = dvc_location(artifact_dir, recipe, target)
+    location = location or dvc_location(artifact_dir, recipe, target)
     if location is None or not location["lock_committed"]:
         why = "; ".join(location["missing"]) if location else "no DVC workspace"
         raise RegistryError(

@@ -72,7 +72,7 @@ def validate(
             settings=got["settings"], device=got["device"], **details,
         )  # fmt: skip
         ctx.reporter.step(name, "serving once through sglang.launch_server")
-        serve_check(ctx, ENV_SGLANG, name, artifact, details["command"], got, result)
+        serve_check(ctx, ENV_SGLANG, name, artifact, command, got, result)
     except EngineError as exc:  # SGLang's crash is SGLang's verdict; the vLLM one still stands
         return not_run("failed", str(exc), **details)
     return result

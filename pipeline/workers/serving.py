@@ -23,8 +23,9 @@ from pipeline.workers.protocol import dying_with_parent, last_error_line
 
 # The tolerance: the served answer may leave the offline greedy answer only where the offline
 # engine itself rated the two tokens within this many nats (a near-tie: the deploy command's CUDA
-# graphs and fused kernels may round it the other way). Measured on a 7B random-weight FP8
-# checkpoint: the compiled vLLM server and the eager offline engine chose different first tokens.
+# graphs and fused kernels may round it the other way). Prompted by a 7B random-weight FP8
+# checkpoint whose compiled vLLM server and eager offline engine chose different first tokens; that
+# divergence turned out not to be a near-tie (the served token was outside the offline top-5).
 NEAR_TIE_NATS = 0.1
 TIE_TOP = 5  # top logprobs kept per generated token of the first smoke prompt
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -41,6 +42,7 @@ from pipeline.workspace import dvc_location, find_workspace, gto_assign
 
 INDEX_NAME = "registry.sqlite"
 STAGES = ("dev", "staging", "prod")
+BUSY_TIMEOUT_S = 60  # how long a writer waits for another to finish
 KEEP_VERSIONS = 3  # `registry gc` keeps the current, the staged and this many newest versions
 SCHEMA_VERSION = 2  # 2: versions (1: one row per target, replaced by every rebuild)
 _SCHEMA = """
@@ -78,18 +80,13 @@ class Registry:
     @contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
         self.root.mkdir(parents=True, exist_ok=True)
-        try:
-            conn = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            if conn.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
-                _create_schema(conn, self.path)
-        except sqlite3.DatabaseError as exc:
-            raise RegistryError(
-                f"registry index {self.path} is unreadable ({exc}). To resolve, run "
-                "`pipeline registry rebuild`: the index is rebuilt from the manifests"
-            ) from None
+        conn = _open_index(self.path)
         try:
             yield conn
+        except sqlite3.OperationalError as exc:
+            if _is_busy(exc):
+                raise _locked(self.path, exc) from None
+            raise _unreadable(self.path, exc) from None
         finally:
             conn.close()
 
@@ -457,6 +454,54 @@ class Registry:
                     db.execute(f"DELETE FROM {table} WHERE {where}", (recipe, target, version))
             db.execute("COMMIT")
         return staged is None
+
+
+def _open_index(path: Path) -> sqlite3.Connection:
+    """A connection to the index, its schema checked. Opening can meet SQLITE_BUSY that SQLite's
+    busy handler does not cover (another process switching the file to WAL or closing it last
+    and checkpointing; seen in CI with six writers), so opening is retried until BUSY_TIMEOUT_S."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    delay = 0.01
+    while True:
+        conn = None
+        try:
+            conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                conn.execute("PRAGMA journal_mode=WAL")
+            if conn.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:
+                _create_schema(conn, path)
+            return conn
+        except sqlite3.OperationalError as exc:
+            if conn is not None:
+                conn.close()
+            if not _is_busy(exc):
+                raise _unreadable(path, exc) from None
+            if time.monotonic() > deadline:
+                raise _locked(path, exc) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+        except sqlite3.DatabaseError as exc:
+            if conn is not None:
+                conn.close()
+            raise _unreadable(path, exc) from None
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
+def _locked(path: Path, exc: Exception) -> RegistryError:
+    return RegistryError(
+        f"registry index {path} stayed locked for {BUSY_TIMEOUT_S} s ({exc}); another pipeline "
+        "process holds it. To resolve, wait for it or stop it"
+    )
+
+
+def _unreadable(path: Path, exc: Exception) -> RegistryError:
+    return RegistryError(
+        f"registry index {path} is unreadable ({exc}). To resolve, run "
+        "`pipeline registry rebuild`: the index is rebuilt from the manifests"
+    )
 
 
 def _create_schema(conn: sqlite3.Connection, path: Path) -> None:

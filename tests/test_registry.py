@@ -205,6 +205,38 @@ def test_garbage_index_is_a_clear_error_and_rebuildable(registry: Registry) -> N
     assert registry.resolve("m", "llama.cpp", "Q8_0")["target"] == "gguf-q8_0"
 
 
+def test_a_busy_index_is_retried_then_named_as_locked_not_unreadable(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sqlite3
+
+    import pipeline.registry as registry_module
+
+    real_connect = sqlite3.connect
+    refusals = iter(range(3))
+
+    def busy_at_first(*args: object, **kwargs: object) -> sqlite3.Connection:
+        """What another process switching the file to WAL makes SQLite answer at once (CI)."""
+        if next(refusals, None) is not None:
+            raise sqlite3.OperationalError("database is locked")
+        return real_connect(*args, **kwargs)
+
+    monkeypatch.setattr(registry_module.sqlite3, "connect", busy_at_first)
+    assert registry.resolve("m", "llama.cpp", "Q8_0")["target"] == "gguf-q8_0"
+    monkeypatch.undo()
+
+    monkeypatch.setattr(registry_module, "BUSY_TIMEOUT_S", 1)
+    holder = sqlite3.connect(registry.path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(RegistryError, match=r"stayed locked for 1 s.*another pipeline process"):
+            registry.promote("m/gguf-q8_0", "prod")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    registry.promote("m/gguf-q8_0", "prod")
+
+
 def _register_many(root: str, worker: int) -> None:
     reg = Registry(Path(root))
     for i in range(15):

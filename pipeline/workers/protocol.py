@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 Op = Callable[[dict[str, Any]], dict[str, Any]]
+LOCK_STAMP = ".pipeline-lock"  # in a venv's root: "envs/<name>.lock sha256:<hex>" (scripts/setup.sh)
 
 # `python -c DIE_WITH_PARENT PARENT_PID PROGRAM ARGS...`: on Linux, ask the kernel to SIGKILL this
 # process when its parent dies (PR_SET_PDEATHSIG = 1; kept across exec), give up if the parent is
@@ -53,6 +54,13 @@ def installed_versions(*dists: str) -> dict[str, str]:
     return found
 
 
+def environment_lock() -> str | None:
+    """The lock files this environment was installed from, with their sha256 (the stamp
+    scripts/setup.sh writes into the venv), or None for an environment it did not make."""
+    stamp = Path(sys.prefix) / LOCK_STAMP
+    return stamp.read_text().strip() if stamp.is_file() else None
+
+
 def last_error_line(output: str) -> str:
     """The line of a server's output that says why it stopped: the last `...Error: ...` line, else
     the last non-empty one."""
@@ -72,6 +80,9 @@ def worker_main(ops: dict[str, Op]) -> None:
         if op not in ops:
             raise ValueError(f"unknown op {op!r} (known: {', '.join(ops)})")
         result = ops[op](request)
+        lock = environment_lock()
+        if lock and isinstance(result.get("toolchain"), dict):
+            result["toolchain"]["lock"] = lock  # part of every target's inputs hash
     except Exception as exc:  # reported to the core as one line; the traceback goes to the log
         traceback.print_exc()
         message = (str(exc).splitlines() or [""])[0] or type(exc).__name__

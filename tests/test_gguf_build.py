@@ -328,3 +328,38 @@ def test_a_changed_environment_makes_the_target_stale(
     assert after.outcome == "built"
     manifest = read_json(_isolated_artifacts / "tiny" / "gguf-f16" / MANIFEST_NAME)
     assert manifest["toolchain"]["llamacpp"]["gguf"] == "99.0"
+
+
+def _venv_with_stamp(tmp_path: Path, stamp: str) -> Path:
+    """A venv that sees this interpreter's packages (a .pth) and says it was installed from `stamp`
+    (what scripts/setup.sh writes): the same bytes of every library, another lock."""
+    import site
+    import sysconfig
+
+    venv = tmp_path / "relocked"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    purelib = Path(sysconfig.get_path("purelib", vars={"base": str(venv), "platbase": str(venv)}))
+    (purelib / "parent.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    (venv / ".pipeline-lock").write_text(stamp + "\n")
+    (venv / "share").symlink_to(Path(sys.prefix) / "share")  # the converter set-up placed there
+    return venv / "bin" / "python"
+
+
+def test_a_changed_lock_makes_the_target_stale_and_is_recorded(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets={"gguf-f16": TARGETS["gguf-f16"]})
+    [first] = build_recipe(recipe, threads=2)
+    assert first.outcome == "built"
+    installed = read_json(_isolated_artifacts / "tiny" / "gguf-f16" / MANIFEST_NAME)["toolchain"]
+    # set-up installed .venv from the committed lock: the record names it with that file's sha256
+    core_lock = Path(__file__).resolve().parent.parent / "envs" / "core.lock"
+    assert f"envs/core.lock sha256:{file_sha256(core_lock)}" in installed["llamacpp"]["lock"]
+    monkeypatch.setenv("PIPELINE_LLAMACPP_PYTHON", str(_venv_with_stamp(tmp_path, "envs/core.lock sha256:0")))
+    [after] = build_recipe(recipe, threads=2)
+    assert after.outcome == "built", after
+    toolchain = read_json(_isolated_artifacts / "tiny" / "gguf-f16" / MANIFEST_NAME)["toolchain"]
+    assert toolchain["llamacpp"]["lock"] == "envs/core.lock sha256:0"
+    assert {k: v for k, v in toolchain["llamacpp"].items() if k != "lock"} == {
+        k: v for k, v in installed["llamacpp"].items() if k != "lock"
+    }

@@ -20,6 +20,7 @@ from pipeline.errors import EngineError, PipelineError, RegistryError, Validatio
 from pipeline.manifest import Manifest, read_manifest
 from pipeline.project import Project, TargetResult
 from pipeline.registry import KEEP_VERSIONS, Registry
+from pipeline.selection import OBJECTIVES, Scenario, select
 
 app = typer.Typer(
     help="Build, validate and record LLM deployment artifacts from one recipe.", no_args_is_help=True
@@ -345,6 +346,56 @@ def registry_resolve(
         _run(lambda: _registry().resolve(model, engine, quant, gpu_arch, stage, all_, engine_version)),
         as_json,
     )
+
+
+@registry_app.command("select")
+def registry_select(
+    model: Annotated[str | None, typer.Option("--model", help="Recipe name (default: every model).")] = None,
+    cpu: Annotated[bool, typer.Option("--cpu", help="A CPU host: engines validated on a CPU only.")] = False,
+    gpu_arch: Annotated[str | None, typer.Option("--gpu-arch", help="A GPU host, e.g. sm90.")] = None,
+    memory_gib: Annotated[float | None, typer.Option("--memory-gib", help="Memory the job has.")] = None,
+    max_ppl_delta: Annotated[float | None, typer.Option("--max-ppl-delta", help="ΔPPL %, at most.")] = None,
+    max_ttft_ms: Annotated[float | None, typer.Option("--max-ttft-ms", help="TTFT p99, at most.")] = None,
+    max_itl_ms: Annotated[float | None, typer.Option("--max-itl-ms", help="ITL p99, at most.")] = None,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", min=1, help="Where latency and throughput are read.")
+    ] = 1,
+    objective: Annotated[
+        str, typer.Option("--objective", help=f"What ranks first: {'|'.join(OBJECTIVES)}.")
+    ] = "accuracy",
+    as_json: JsonOpt = False,
+) -> None:
+    """The validated artifacts that fit a scenario, best first, with the measured reason for each
+    (and why every other one is excluded)."""
+    scenario = Scenario(
+        model,
+        cpu,
+        gpu_arch,
+        memory_gib,
+        max_ppl_delta,
+        max_ttft_ms,
+        max_itl_ms,
+        concurrency,
+        objective,  # type: ignore[arg-type]  # checked by select
+    )
+    answer = _run(lambda: select(_registry(), scenario))
+    if as_json:
+        _emit(answer, True)
+        return
+    for rank, c in enumerate(answer["ranked"], 1):
+        out.print(
+            f"{rank}. {c['recipe']}/{c['target']} v{c['version']} in {c['engine']} ({c['quant']}): "
+            + "; ".join(c["reasons"]),
+            highlight=False,
+        )
+    if not answer["ranked"]:
+        out.print("no artifact fits this scenario", highlight=False)
+    for c in answer["excluded"]:
+        out.print(
+            f"   excluded {c['recipe']}/{c['target']} in {c['engine']}: {c['excluded']}", highlight=False
+        )
+    if not answer["ranked"]:
+        raise typer.Exit(1)
 
 
 @registry_app.command("verify")

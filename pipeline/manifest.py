@@ -112,6 +112,34 @@ class BuildInfo(_Model):
     steps: list[StepRecord] = []  # the steps this build ran (cached ones it reused are absent)
 
 
+class ServingLevel(_Model):
+    """The serving benchmark at one concurrency: latency percentiles in ms, throughput, peaks."""
+
+    concurrency: int
+    completed: int
+    errored: int
+    ttft_ms_p50: float | None = None
+    ttft_ms_p99: float | None = None
+    itl_ms_p50: float | None = None
+    itl_ms_p99: float | None = None
+    output_tokens_per_s: float | None = None
+    requests_per_s: float | None = None
+    peak_rss_mib: float | None = None  # the server's process group
+    peak_gpu_mib: float | None = None  # device-wide, None without an NVIDIA GPU
+
+
+class ServingResult(_Model):
+    """One engine's serving benchmark of an artifact, through its serve command (pipeline.serving).
+    It never changes the artifact's bytes or its validation verdict."""
+
+    status: Status
+    reason: str | None = None
+    tool: str | None = None  # the load generator and its version
+    workload: dict[str, Any] = {}
+    seconds: float | None = None
+    levels: dict[str, ServingLevel] = {}  # str(concurrency) -> numbers
+
+
 class ServeInfo(_Model):
     command: str
 
@@ -132,6 +160,7 @@ class Manifest(_Model):
     build: BuildInfo
     validation: Validation
     serve: ServeInfo
+    serving: dict[str, ServingResult] = {}  # engine -> its serving benchmark
     # what one kind records about how it was made
     gguf: dict[str, Any] | None = None
     quantization: dict[str, Any] | None = None

@@ -1,0 +1,209 @@
+"""`pipeline registry select`: the validated artifacts that fit a deployment scenario, ranked, each
+with the measured numbers that put it there, and every other candidate with why it was excluded.
+
+A candidate is one (current version of a target, serving engine) whose engine verdict passed.
+Numbers come from its manifest: ΔPPL from the verdict, memory and latency from the serving
+benchmark (`serving.<engine>.levels.<concurrency>`) where one ran, else memory from the peak RSS of
+the engine's validation step (a CPU host) or the weights' size (named as such).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from pipeline.constants import ENGINE_VERSION_SOURCES, STATUS_PASSED
+from pipeline.errors import RegistryError
+from pipeline.registry import Registry
+
+Objective = Literal["accuracy", "throughput", "latency", "size"]
+OBJECTIVES: tuple[Objective, ...] = ("accuracy", "throughput", "latency", "size")
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What a deploy job asks for: where it runs, what it may cost, what it optimises."""
+
+    model: str | None = None
+    cpu: bool = False  # a CPU host: only engines whose verdict was obtained on a CPU
+    gpu_arch: str | None = None  # a GPU host: artifacts built for another architecture excluded
+    memory_gib: float | None = None
+    max_ppl_delta: float | None = None
+    max_ttft_ms: float | None = None  # p99, at `concurrency`
+    max_itl_ms: float | None = None  # p99, at `concurrency`
+    concurrency: int = 1
+    objective: Objective = "accuracy"
+
+
+@dataclass
+class Candidate:
+    recipe: str
+    target: str
+    version: int
+    engine: str
+    quant: str
+    gpu_arch: str | None
+    device: str
+    size_bytes: int
+    ppl_delta_pct: float | None
+    memory_mib: float | None
+    memory_from: str
+    serving: dict[str, Any] | None  # this engine's numbers at the scenario's concurrency
+    serve_command: str
+    reasons: list[str] = field(default_factory=list)
+    excluded: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def candidates(registry: Registry, model: str | None) -> list[Candidate]:
+    """Every (current version, engine) whose engine verdict passed, with its numbers."""
+    found = []
+    for entry in registry.entries(include_failed=True):
+        if model is not None and entry["recipe"] != model:
+            continue
+        manifest = registry.show(f"{entry['recipe']}/{entry['target']}", entry["version"])
+        for engine, verdict in manifest["validation"]["engines"].items():
+            if verdict["status"] != STATUS_PASSED:
+                continue
+            found.append(_candidate(entry, manifest, engine, verdict))
+    return found
+
+
+def _candidate(
+    entry: dict[str, Any], manifest: dict[str, Any], engine: str, verdict: dict[str, Any]
+) -> Candidate:
+    metrics = verdict.get("metrics") or {}
+    details = verdict.get("details") or {}
+    device = str(details.get("device") or ("cpu" if manifest["build"].get("gpu_arch") is None else "gpu"))
+    return Candidate(
+        recipe=entry["recipe"],
+        target=entry["target"],
+        version=entry["version"],
+        engine=engine,
+        quant=entry["quant"],
+        gpu_arch=entry["gpu_arch"],
+        device=device,
+        size_bytes=sum(f["bytes"] for f in manifest["files"]),
+        ppl_delta_pct=metrics.get("ppl_delta_pct"),
+        memory_mib=None,
+        memory_from="",
+        serving=(manifest.get("serving") or {}).get(engine),
+        serve_command=manifest["serve"]["command"],
+    )
+
+
+def _level(c: Candidate, concurrency: int) -> dict[str, Any] | None:
+    if not c.serving or c.serving.get("status") != STATUS_PASSED:
+        return None
+    return (c.serving.get("levels") or {}).get(str(concurrency))
+
+
+def _memory(c: Candidate, manifest_steps: list[dict[str, Any]], env: str | None) -> tuple[float, str]:
+    """Memory the artifact needs to serve, and where the number comes from."""
+    levels = (c.serving or {}).get("levels") or {}
+    peaks = [lv["peak_rss_mib"] for lv in levels.values() if lv.get("peak_rss_mib")]
+    if peaks and c.device.startswith("cpu"):
+        return max(peaks), "serving benchmark peak RSS"
+    validate = [s["peak_rss_mib"] for s in manifest_steps if s["op"] == "validate" and s["env"] == env]
+    if validate and c.device.startswith("cpu"):
+        return max(validate), "peak RSS of its validation in this engine"
+    return c.size_bytes / MIB, "weights' size (a lower bound: no serving memory measured)"
+
+
+def select(registry: Registry, scenario: Scenario) -> dict[str, Any]:
+    """{"scenario", "ranked": [...best first], "excluded": [...with why]} for `scenario`."""
+    if scenario.objective not in OBJECTIVES:
+        raise RegistryError(f"unknown objective {scenario.objective!r} (known: {', '.join(OBJECTIVES)})")
+    if scenario.cpu and scenario.gpu_arch:
+        raise RegistryError("--cpu and --gpu-arch exclude each other: choose the host the job runs on")
+    found = candidates(registry, scenario.model)
+    if not found:
+        scope = f" of model {scenario.model}" if scenario.model else ""
+        raise RegistryError(f"no validated artifact{scope} in the registry (try `pipeline registry list`)")
+    ranked, excluded = [], []
+    for c in found:
+        steps = registry.show(f"{c.recipe}/{c.target}", c.version)["build"].get("steps") or []
+        env = ENGINE_VERSION_SOURCES.get(c.engine, (None, ()))[0]
+        c.memory_mib, c.memory_from = _memory(c, steps, env)
+        c.excluded = _exclusion(c, scenario)
+        if c.excluded:
+            excluded.append(c)
+            continue
+        c.reasons = _reasons(c, scenario)
+        ranked.append(c)
+    ranked.sort(key=lambda c: _rank_key(c, scenario))
+    return {
+        "scenario": asdict(scenario),
+        "ranked": [c.as_dict() for c in ranked],
+        "excluded": [c.as_dict() for c in excluded],
+    }
+
+
+def _exclusion(c: Candidate, s: Scenario) -> str | None:
+    """Why `c` does not fit `s` (None: it fits)."""
+    if s.cpu and not c.device.startswith("cpu"):
+        return f"validated on {c.device}, not on a CPU"
+    if s.gpu_arch and c.gpu_arch not in (None, s.gpu_arch):
+        return f"built for {c.gpu_arch}, not {s.gpu_arch}"
+    if s.max_ppl_delta is not None:
+        if c.ppl_delta_pct is None:
+            return "no ΔPPL measured"
+        if c.ppl_delta_pct > s.max_ppl_delta:
+            return f"ΔPPL {c.ppl_delta_pct:+.2f} % > {s.max_ppl_delta} %"
+    if s.memory_gib is not None and c.memory_mib is not None and c.memory_mib > s.memory_gib * 1024:
+        return f"needs {c.memory_mib / 1024:.2f} GiB ({c.memory_from}) > {s.memory_gib} GiB"
+    level = _level(c, s.concurrency)
+    wants_serving = (
+        s.max_ttft_ms is not None or s.max_itl_ms is not None or s.objective in ("throughput", "latency")
+    )
+    if wants_serving and level is None:
+        return f"no serving numbers at concurrency {s.concurrency} ({_serving_state(c)})"
+    if level is not None:
+        if s.max_ttft_ms is not None and level["ttft_ms_p99"] > s.max_ttft_ms:
+            return (
+                f"TTFT p99 {level['ttft_ms_p99']:.0f} ms > {s.max_ttft_ms} ms at concurrency {s.concurrency}"
+            )
+        if s.max_itl_ms is not None and level["itl_ms_p99"] > s.max_itl_ms:
+            itl = level["itl_ms_p99"]
+            return f"ITL p99 {itl:.1f} ms > {s.max_itl_ms} ms at concurrency {s.concurrency}"
+    return None
+
+
+def _serving_state(c: Candidate) -> str:
+    if not c.serving:
+        return "the serving benchmark did not run for this engine"
+    if c.serving.get("status") != STATUS_PASSED:
+        return f"its serving benchmark {c.serving.get('status')}: {c.serving.get('reason')}"
+    return f"measured at concurrency {', '.join(sorted(c.serving.get('levels') or {}))} only"
+
+
+def _reasons(c: Candidate, s: Scenario) -> list[str]:
+    reasons = []
+    if c.ppl_delta_pct is not None:
+        reasons.append(f"ΔPPL {c.ppl_delta_pct:+.2f} %")
+    reasons.append(f"{c.size_bytes / MIB:.0f} MiB on disk")
+    if c.memory_mib is not None:
+        reasons.append(f"{c.memory_mib / 1024:.2f} GiB to serve ({c.memory_from})")
+    level = _level(c, s.concurrency)
+    if level is not None:
+        reasons.append(
+            f"at concurrency {s.concurrency}: {level['output_tokens_per_s']:.1f} output tokens/s, "
+            f"TTFT p99 {level['ttft_ms_p99']:.0f} ms, ITL p99 {level['itl_ms_p99']:.1f} ms"
+        )
+    return reasons
+
+
+def _rank_key(c: Candidate, s: Scenario) -> tuple[float, ...]:
+    """Best first; ties broken by ΔPPL, then size."""
+    ppl = c.ppl_delta_pct if c.ppl_delta_pct is not None else float("inf")
+    level = _level(c, s.concurrency) or {}
+    if s.objective == "throughput":
+        return (-level.get("output_tokens_per_s", 0.0), ppl, c.size_bytes)
+    if s.objective == "latency":
+        return (level.get("ttft_ms_p99", float("inf")), level.get("itl_ms_p99", float("inf")), ppl)
+    if s.objective == "size":
+        return (c.size_bytes, ppl)
+    return (abs(ppl), c.size_bytes)

@@ -1,0 +1,155 @@
+"""`pipeline registry select`: scenarios answered from the numbers in the manifests, with reasons."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.artifacts import file_entries
+from pipeline.cli import app
+from pipeline.errors import RegistryError
+from pipeline.manifest import (
+    Metrics,
+    ServingLevel,
+    ServingResult,
+    StepRecord,
+    read_manifest,
+    write_manifest,
+)
+from pipeline.registry import Registry
+from pipeline.selection import Scenario, select
+from tests.conftest import write_artifact
+
+
+def _level(concurrency: int, ttft: float, itl: float, tps: float, rss: float | None = 900) -> ServingLevel:
+    return ServingLevel(
+        concurrency=concurrency, completed=8, errored=0, ttft_ms_p50=ttft / 2, ttft_ms_p99=ttft,
+        itl_ms_p50=itl / 2, itl_ms_p99=itl, output_tokens_per_s=tps, requests_per_s=tps / 32,
+        peak_rss_mib=rss,
+    )  # fmt: skip
+
+
+def _measured(
+    root: Path,
+    target: str,
+    engine: str,
+    ppl_delta: float,
+    device: str | None = None,
+    gpu_arch: str | None = None,
+    levels: list[ServingLevel] | None = None,
+    validate_rss_mib: float | None = None,
+) -> Path:
+    """A synthetic artifact of model m whose primary verdict passed with these numbers."""
+    d = write_artifact(root, "m", target, engine, target.split("-")[-1], gpu_arch=gpu_arch)
+    manifest = read_manifest(d)
+    verdict = manifest.validation.engines[engine]
+    verdict.metrics = Metrics(
+        ppl=10 * (1 + ppl_delta / 100), ppl_ref=10.0, ppl_delta_pct=ppl_delta, top1_agreement=0.9,
+        token_agreement=0.5, tokens_per_s=None, prompt_tokens_per_s=None, eval_tokens=1024,
+    )  # fmt: skip
+    if device:
+        verdict.details = {"device": device}
+    manifest.validation.metrics = verdict.metrics
+    if levels is not None:
+        manifest.serving = {
+            engine: ServingResult(
+                status="passed", tool="t", levels={str(lv.concurrency): lv for lv in levels}
+            )
+        }
+    if validate_rss_mib is not None:
+        env = {"llama.cpp": "llamacpp", "vllm": "vllm"}[engine]
+        manifest.build.steps = [
+            StepRecord(env=env, op="validate", log=target, seconds=1, peak_rss_mib=validate_rss_mib)
+        ]
+    manifest.files = file_entries(d)
+    write_manifest(d, manifest)
+    return d
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Registry:
+    root = tmp_path / "artifacts"
+    _measured(root, "gguf-q8_0", "llama.cpp", 0.5, levels=[_level(1, 100, 50, 20), _level(4, 400, 120, 50)],
+              validate_rss_mib=1400)  # fmt: skip
+    _measured(root, "gguf-q4_0", "llama.cpp", 20.0, levels=[_level(1, 60, 30, 35, rss=None)])
+    _measured(root, "awq", "vllm", 15.0, device="NVIDIA H200")
+    _measured(root, "trtllm-fp8", "tensorrt-llm", 2.0, device="NVIDIA H200", gpu_arch="sm90")
+    write_artifact(root, "m", "gptq", "vllm", "gptq", status="failed")
+    reg = Registry(root)
+    reg.rebuild()
+    return reg
+
+
+def _names(items: list[dict[str, Any]]) -> list[str]:
+    return [f"{c['target']}@{c['engine']}" for c in items]
+
+
+def _why(answer: dict[str, Any], target: str) -> str:
+    return next(c["excluded"] for c in answer["excluded"] if c["target"] == target)
+
+
+def test_most_accurate_on_a_cpu_host(registry: Registry) -> None:
+    answer = select(registry, Scenario(model="m", cpu=True))
+    assert _names(answer["ranked"]) == ["gguf-q8_0@llama.cpp", "gguf-q4_0@llama.cpp"]
+    assert _why(answer, "awq") == "validated on NVIDIA H200, not on a CPU"
+    assert "gptq" not in _names(answer["ranked"] + answer["excluded"])  # its verdict failed
+    best = answer["ranked"][0]
+    assert best["memory_mib"] == 900.0 and best["memory_from"] == "serving benchmark peak RSS"
+    assert any("ΔPPL +0.50 %" in r for r in best["reasons"])
+
+
+def test_accuracy_and_memory_bounds_exclude_with_the_measured_number(registry: Registry) -> None:
+    answer = select(registry, Scenario(model="m", cpu=True, max_ppl_delta=10))
+    assert _names(answer["ranked"]) == ["gguf-q8_0@llama.cpp"]
+    assert _why(answer, "gguf-q4_0") == "ΔPPL +20.00 % > 10 %"
+    tight = select(registry, Scenario(model="m", cpu=True, memory_gib=0.5))
+    assert _names(tight["ranked"]) == ["gguf-q4_0@llama.cpp"]
+    assert tight["ranked"][0]["memory_from"].startswith("weights' size (a lower bound")
+    assert _why(tight, "gguf-q8_0").startswith("needs 0.88 GiB (serving benchmark peak RSS)")
+
+
+def test_latency_scenarios_read_the_serving_numbers_at_the_asked_concurrency(registry: Registry) -> None:
+    fastest = select(registry, Scenario(model="m", cpu=True, objective="latency"))
+    assert _names(fastest["ranked"]) == ["gguf-q4_0@llama.cpp", "gguf-q8_0@llama.cpp"]
+    busy = select(registry, Scenario(model="m", cpu=True, max_ttft_ms=200, concurrency=4))
+    assert busy["ranked"] == []
+    assert _why(busy, "gguf-q8_0") == "TTFT p99 400 ms > 200 ms at concurrency 4"
+    assert _why(busy, "gguf-q4_0") == "no serving numbers at concurrency 4 (measured at concurrency 1 only)"
+    throughput = select(registry, Scenario(model="m", objective="throughput"))
+    assert _names(throughput["ranked"]) == ["gguf-q4_0@llama.cpp", "gguf-q8_0@llama.cpp"]
+    assert _why(throughput, "awq").startswith("no serving numbers at concurrency 1 (the serving benchmark")
+
+
+def test_a_gpu_host_excludes_engines_built_for_another_architecture(registry: Registry) -> None:
+    answer = select(registry, Scenario(model="m", gpu_arch="sm80"))
+    assert _names(answer["ranked"])[0] == "gguf-q8_0@llama.cpp"
+    assert "awq@vllm" in _names(answer["ranked"])
+    assert _why(answer, "trtllm-fp8") == "built for sm90, not sm80"
+    on_h200 = select(registry, Scenario(model="m", gpu_arch="sm90", max_ppl_delta=5))
+    assert _names(on_h200["ranked"]) == ["gguf-q8_0@llama.cpp", "trtllm-fp8@tensorrt-llm"]
+
+
+def test_bad_questions_are_one_line_errors(registry: Registry) -> None:
+    with pytest.raises(RegistryError, match="exclude each other"):
+        select(registry, Scenario(cpu=True, gpu_arch="sm90"))
+    with pytest.raises(RegistryError, match="unknown objective 'cheap'"):
+        select(registry, Scenario(objective="cheap"))  # type: ignore[arg-type]
+    with pytest.raises(RegistryError, match="no validated artifact of model other"):
+        select(registry, Scenario(model="other"))
+
+
+def test_select_cli(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPELINE_ARTIFACTS", str(registry.root))
+    runner = CliRunner()
+    res = runner.invoke(app, ["registry", "select", "--model", "m", "--cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    assert _names(json.loads(res.output)["ranked"])[0] == "gguf-q8_0@llama.cpp"
+    res = runner.invoke(app, ["registry", "select", "--cpu", "--max-ppl-delta", "0.1"])
+    assert res.exit_code == 1
+    assert "no artifact fits this scenario" in res.output and "ΔPPL +0.50 % > 0.1 %" in res.output
+    res = runner.invoke(app, ["registry", "select", "--cpu", "--gpu-arch", "sm90"])
+    assert res.exit_code != 0 and "exclude each other" in res.output

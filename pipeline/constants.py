@@ -97,6 +97,7 @@ ENV_LLMCOMPRESSOR = "llmcompressor"  # llm-compressor: AWQ / GPTQ quantization
 ENV_VLLM = "vllm"  # vLLM: serves and validates AWQ / GPTQ checkpoints
 ENV_SGLANG = "sglang"  # SGLang: serves AWQ / GPTQ checkpoints (GPU build servers)
 ENV_MODELOPT = "modelopt"  # NVIDIA ModelOpt: TensorRT-LLM and unified HF checkpoints (CPU or GPU)
+ENV_GUIDELLM = "guidellm"  # GuideLLM: the serving benchmark's load generator
 ENV_TRTLLM = "trtllm"  # TensorRT-LLM 1.2: trtllm-build and its runtime (GPU build servers only)
 
 # Serving engines (a manifest's `engine` and the keys of `validation.engines`).

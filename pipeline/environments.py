@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.constants import (
+    ENV_GUIDELLM,
     ENV_LLAMACPP,
     ENV_LLMCOMPRESSOR,
     ENV_MODELOPT,
@@ -32,7 +33,7 @@ from pipeline.constants import (
     ENV_VLLM,
 )
 from pipeline.errors import DiskFullError, EngineError
-from pipeline.workers.protocol import dying_with_parent, last_error_line
+from pipeline.workers.protocol import dying_with_parent, group_rss_bytes, last_error_line
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,6 +78,8 @@ ENVIRONMENTS: dict[str, Environment] = {
                     "pipeline.workers.sglang", ".envs/sglang", gpu_only=True),
         Environment(ENV_MODELOPT, "NVIDIA ModelOpt: TensorRT-LLM and unified HF checkpoints",
                     "pipeline.workers.modelopt", ".envs/modelopt"),
+        Environment(ENV_GUIDELLM, "GuideLLM: the serving benchmark's load generator (OpenAI API)",
+                    "pipeline.workers.loadgen", ".envs/guidellm"),
         Environment(ENV_TRTLLM, "TensorRT-LLM 1.2 (container or venv): trtllm-build, runtime validation",
                     "pipeline.workers.trtllm", ".envs/trtllm", gpu_only=True),
     )
@@ -144,22 +147,6 @@ class UsageSampler:
             used = gpu_memory_used_mib(self._nvidia_smi)
             if used is not None:
                 self.peak_gpu_mib = max(self.peak_gpu_mib or 0.0, used)
-
-
-def group_rss_bytes(pgid: int) -> int:
-    """Summed VmRSS of the processes in process group `pgid` (Linux /proc; 0 elsewhere)."""
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:  # after "pid (comm)": state, ppid, pgrp
-                continue
-            for line in (stat.parent / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except (OSError, IndexError, ValueError):
-            continue  # the process ended while we looked
-    return total
 
 
 def gpu_memory_used_mib(nvidia_smi: str) -> float | None:

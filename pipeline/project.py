@@ -21,12 +21,20 @@ from pipeline.artifacts import (
     sweep_leftovers,
     write_json_atomic,
 )
-from pipeline.constants import MANIFEST_NAME, MANIFEST_SCHEMA, STATUS_PASSED, STATUS_UNAVAILABLE
+from pipeline.constants import (
+    ENV_GUIDELLM,
+    MANIFEST_NAME,
+    MANIFEST_SCHEMA,
+    STATUS_PASSED,
+    STATUS_UNAVAILABLE,
+)
+from pipeline.environments import environment_exists
 from pipeline.errors import DiskFullError, PipelineError, RecipeError, RegistryError
 from pipeline.hashing import json_sha256
 from pipeline.manifest import BuildInfo, Manifest, ServeInfo, StepRecord, read_manifest, write_manifest
 from pipeline.recipe import LoadedRecipe, load_recipe
 from pipeline.registry import Registry
+from pipeline.serving import benchmark
 from pipeline.source import resolve_source
 from pipeline.targets import BuildContext, Target
 from pipeline.targets.base import NullReporter, Reporter
@@ -173,6 +181,8 @@ class Project:
     def _build_target_locked(self, ctx: BuildContext, name: str, spec: Target, force: bool) -> TargetResult:
         final = self.layout.target_dir(name)
         toolchain = {env: ctx.versions(env) for env in spec.recorded_environments()}
+        if self.loaded.recipe.serving_benchmark.enabled and environment_exists(ENV_GUIDELLM):
+            toolchain[ENV_GUIDELLM] = ctx.versions(ENV_GUIDELLM)  # the load generator's numbers
         serve_command = spec.serve_command(self.loaded.recipe.serve)
         inputs = inputs_sha256(ctx, name, spec, toolchain, serve_command)
         if not force and (final / MANIFEST_NAME).is_file():
@@ -194,6 +204,7 @@ class Project:
             build_s = time.perf_counter() - t0
             files = file_entries(staging)
             validation = spec.validate(ctx, name, staging)
+            serving = benchmark(ctx, name, staging, validation, serve_command)
             manifest = Manifest(
                 schema=MANIFEST_SCHEMA,
                 recipe=self.loaded.recipe.name,
@@ -218,6 +229,7 @@ class Project:
                 ),
                 validation=validation,
                 serve=ServeInfo(command=serve_command),
+                serving=serving,
                 gguf=built.gguf,
                 quantization=built.quantization,
                 trtllm=built.trtllm,
@@ -257,6 +269,11 @@ class Project:
             "verdicts": {engine: verdict.status for engine, verdict in v.engines.items()},
             **{k: m.get(k) for k in METRIC_COLUMNS},
         }
+        for engine, result in manifest.serving.items():
+            record[f"serving_{engine}"] = result.status
+            for level in result.levels.values():
+                for key in ("ttft_ms_p99", "itl_ms_p99", "output_tokens_per_s", "peak_rss_mib"):
+                    record[f"serving_c{level.concurrency}_{key}"] = getattr(level, key)
         write_json_atomic(self.layout.metrics_path(target, gpu_host), record)
 
 
@@ -275,6 +292,7 @@ def inputs_sha256(
             "calibration": r.calibration.model_dump() if r.calibration else None,
             "reference": ctx.reference_inputs(),
             "serve": serve_command,  # carries the recipe's serving knobs this target uses
+            "serving_benchmark": r.serving_benchmark.model_dump() if r.serving_benchmark.enabled else None,
             "toolchain": toolchain,
         }
     )

@@ -127,6 +127,9 @@ class LlamaCppServe(Strict):
     n_ctx: int = Field(4096, ge=16)
     n_gpu_layers: int = Field(0, ge=-1)  # -1: every layer on the GPU
     n_threads: int | None = Field(None, ge=1)
+    # llama-cpp-python's default (True) cuts a streamed answer short as soon as another request
+    # waits (seen under the serving benchmark: 1-token answers at concurrency 4); False queues them.
+    interrupt_requests: bool = False
 
 
 class VllmServe(Strict):
@@ -170,6 +173,32 @@ class ServeSpec(Strict):
     trtllm: TrtllmServe = TrtllmServe()
 
 
+class ServingBenchmarkSpec(Strict):
+    """The serving benchmark every passing artifact gets after validation (pipeline.serving): its
+    own serve command under a fixed synthetic load, one GuideLLM run per concurrency level. It never
+    changes the artifact's bytes or its verdict.
+
+    ```yaml
+    serving_benchmark: {enabled: true, prompt_tokens: 64, output_tokens: 32, concurrency: [1, 4]}
+    ```
+    """
+
+    enabled: bool = False
+    prompt_tokens: int = Field(64, ge=1, le=131_072)
+    output_tokens: int = Field(32, ge=1, le=32_768)
+    concurrency: list[int] = Field([1, 4], min_length=1)
+    requests: int = Field(8, ge=1, le=100_000)  # per concurrency level
+    max_seconds_per_level: float = Field(120, gt=0)
+    seed: int = 0
+
+    @field_validator("concurrency")
+    @classmethod
+    def _levels(cls, value: list[int]) -> list[int]:
+        if any(c < 1 for c in value) or len(set(value)) != len(value):
+            raise ValueError("concurrency levels are distinct positive integers")
+        return sorted(value)
+
+
 class CalibrationOverride(Strict):
     """A target's own sample count / length over the recipe's calibration text."""
 
@@ -202,6 +231,7 @@ class Recipe(Strict):
     evaluation: EvaluationSpec = EvaluationSpec()
     smoke: SmokeSpec
     serve: ServeSpec = ServeSpec()
+    serving_benchmark: ServingBenchmarkSpec = ServingBenchmarkSpec()
     targets: dict[str, TargetSpec] = Field(min_length=1)
 
     @field_validator("name")

@@ -20,6 +20,7 @@ compile envs/core.lock pyproject.toml envs/core.txt \
 compile envs/testdata.lock envs/testdata.txt --no-deps
 compile envs/llmcompressor.lock envs/llmcompressor.txt
 compile envs/modelopt.lock envs/modelopt.txt
+compile envs/guidellm.lock envs/guidellm.txt
 compile envs/vllm.lock envs/vllm.txt \
   --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
   --no-emit-package triton

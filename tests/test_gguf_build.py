@@ -363,3 +363,65 @@ def test_a_changed_lock_makes_the_target_stale_and_is_recorded(
     assert {k: v for k, v in toolchain["llamacpp"].items() if k != "lock"} == {
         k: v for k, v in installed["llamacpp"].items() if k != "lock"
     }
+
+
+BENCH = {"enabled": True, "prompt_tokens": 16, "output_tokens": 8, "concurrency": [1, 2], "requests": 2}
+
+
+def _servers_of(artifacts: Path) -> list[str]:
+    """Command lines of processes still serving something under `artifacts`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"llama_cpp.server" in a for a in args) and any(str(artifacts).encode() in a for a in args):
+            found.append(b" ".join(args).decode(errors="replace"))
+    return found
+
+
+def test_the_serving_benchmark_measures_the_serve_command_under_load(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    recipe = write_recipe(
+        tiny_recipe_dir / "tiny.yaml", targets={"gguf-f16": TARGETS["gguf-f16"]}, serving_benchmark=BENCH
+    )
+    [result] = build_recipe(recipe, threads=2)
+    assert result.outcome == "built" and result.validation == "passed", result
+    manifest = read_json(_isolated_artifacts / "tiny" / "gguf-f16" / MANIFEST_NAME)
+    serving = manifest["serving"]["llama.cpp"]
+    assert serving["status"] == "passed", serving
+    assert serving["tool"].startswith("guidellm ")
+    assert sorted(serving["levels"]) == ["1", "2"]
+    for level in serving["levels"].values():
+        assert level["completed"] == 2 and level["errored"] == 0
+        assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p99"]
+        assert level["output_tokens_per_s"] > 0 and level["peak_rss_mib"] > 10
+    assert "guidellm" in manifest["toolchain"]
+    metrics = read_json(_isolated_artifacts / "tiny" / ".metrics" / "gguf-f16.json")
+    assert metrics["serving_llama.cpp"] == "passed" and metrics["serving_c2_output_tokens_per_s"] > 0
+    assert _servers_of(_isolated_artifacts) == []
+
+
+def test_a_server_that_never_gets_ready_fails_the_benchmark_not_the_artifact(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pipeline.serving
+
+    monkeypatch.setattr(pipeline.serving, "READY_TIMEOUT_S", 0.5)
+    recipe = write_recipe(
+        tiny_recipe_dir / "tiny.yaml", targets={"gguf-f16": TARGETS["gguf-f16"]}, serving_benchmark=BENCH
+    )
+    [result] = build_recipe(recipe, threads=2)
+    assert result.outcome == "built" and result.validation == "passed", result
+    manifest = read_json(_isolated_artifacts / "tiny" / "gguf-f16" / MANIFEST_NAME)
+    serving = manifest["serving"]["llama.cpp"]
+    assert serving["status"] == "failed"
+    assert (
+        "the server was not ready within 0 s" in serving["reason"]
+        or "not ready within 1 s" in serving["reason"]
+    )
+    assert serving["levels"] == {}
+    assert Registry(_isolated_artifacts).resolve("tiny", "llama.cpp", "F16")["status"] == "passed"
+    assert _servers_of(_isolated_artifacts) == []

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ENVS = Path(__file__).resolve().parent.parent / "envs"
-LOCKED = ("core", "testdata", "uv", "llmcompressor", "modelopt", "vllm")
+LOCKED = ("core", "testdata", "uv", "llmcompressor", "modelopt", "vllm", "guidellm")
 
 
 def _pins(text: str) -> dict[str, str]:

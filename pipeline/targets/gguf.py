@@ -196,7 +196,8 @@ class GgufTarget(Target):
         threads = f" --n_threads {knobs.n_threads}" if knobs.n_threads else ""
         return (
             f"python -m llama_cpp.server --model ${{ARTIFACT_DIR}}/{GGUF_FILE} --host {serve.host} "
-            f"--port {serve.port} --n_ctx {knobs.n_ctx} --n_gpu_layers {knobs.n_gpu_layers}{threads}"
+            f"--port {serve.port} --n_ctx {knobs.n_ctx} --n_gpu_layers {knobs.n_gpu_layers}{threads} "
+            f"--interrupt_requests {knobs.interrupt_requests}"
         )
 
 

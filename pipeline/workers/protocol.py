@@ -61,6 +61,22 @@ def environment_lock() -> str | None:
     return stamp.read_text().strip() if stamp.is_file() else None
 
 
+def group_rss_bytes(pgid: int) -> int:
+    """Summed VmRSS of the processes in process group `pgid` (Linux /proc; 0 elsewhere)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # after "pid (comm)": state, ppid, pgrp
+                continue
+            for line in (stat.parent / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+    return total
+
+
 def last_error_line(output: str) -> str:
     """The line of a server's output that says why it stopped: the last `...Error: ...` line, else
     the last non-empty one."""

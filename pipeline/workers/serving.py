@@ -33,12 +33,12 @@ TIE_TOP = 5  # top logprobs kept per generated token of the first smoke prompt
 Ask = Callable[[str, dict[str, Any]], dict[str, Any]]
 
 
-def serve_argv(command: str, artifact_dir: str, port: int) -> list[str]:
-    """The manifest's serve command, run for real: this environment's python, this artifact, and
-    a free loopback port in place of the recipe's."""
+def serve_argv(command: str, artifact_dir: str, port: int, python: str = sys.executable) -> list[str]:
+    """The manifest's serve command, run for real: `python` (default: this environment's), this
+    artifact, and a free loopback port in place of the recipe's."""
     argv = shlex.split(command.replace("${ARTIFACT_DIR}", artifact_dir))
     if argv[0] == "python":
-        argv[0] = sys.executable
+        argv[0] = python
     argv[argv.index("--port") + 1] = str(port)
     argv[argv.index("--host") + 1] = "127.0.0.1"
     return argv

@@ -1,0 +1,77 @@
+"""The serving benchmark on the core side: after validation, the artifact's own serve command (the
+exact one deploy jobs get) runs under the recipe's fixed synthetic load, one GuideLLM run per
+concurrency level (pipeline.workers.loadgen, in the `guidellm` environment). TTFT and inter-token
+latency percentiles, throughput and the server's peak memory land in the manifest's `serving` and
+the DVC metrics. It never changes the artifact's bytes or its validation verdict: a server that
+never becomes ready, a load generator that fails or times out is recorded as `failed` with why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeline.constants import ENGINE_VERSION_SOURCES, ENV_GUIDELLM, STATUS_PASSED
+from pipeline.environments import environment_exists, interpreter
+from pipeline.errors import DiskFullError, EngineError
+from pipeline.manifest import ServingLevel, ServingResult, Validation
+
+if TYPE_CHECKING:
+    from pipeline.targets.base import BuildContext
+
+READY_TIMEOUT_S = 600  # a vLLM CPU server's first start compiles for minutes
+SERVED_ENGINES = ("llama.cpp", "vllm", "sglang")  # engines whose serve command is an OpenAI server
+
+
+def benchmark(
+    ctx: BuildContext, name: str, artifact: Path, validation: Validation, serve_command: str
+) -> dict[str, ServingResult]:
+    """The primary engine's serving benchmark of `artifact` (served by `serve_command`), or {}
+    where the recipe turns it off or the artifact did not pass."""
+    spec = ctx.loaded.recipe.serving_benchmark
+    engine = validation.engine
+    if not spec.enabled or validation.status != STATUS_PASSED:
+        return {}
+    if engine not in SERVED_ENGINES:
+        return {engine: ServingResult(status="skipped", reason=f"{engine} has no OpenAI server here")}
+    engine_env = ENGINE_VERSION_SOURCES[engine][0]
+    if not environment_exists(ENV_GUIDELLM):
+        return {
+            engine: ServingResult(
+                status="skipped",
+                reason=f"no {ENV_GUIDELLM} environment at {interpreter(ENV_GUIDELLM)} (scripts/setup.sh)",
+            )
+        }
+    tokenizer = artifact if (artifact / "tokenizer.json").is_file() else ctx.source.path
+    workload = spec.model_dump(exclude={"enabled"})
+    ctx.reporter.step(name, f"serving benchmark: {engine} at concurrency {spec.concurrency}")
+    per_level = spec.max_seconds_per_level + 60  # + a load generator's start
+    try:
+        got = ctx.step(
+            ENV_GUIDELLM,
+            {
+                "op": "benchmark",
+                "command": serve_command,
+                "python": interpreter(engine_env),
+                "model_dir": str(artifact),
+                "tokenizer": str(tokenizer),
+                "workload": workload,
+                "server_log": str(ctx.log_path(f"{name}-{engine_env}-bench-server")),
+                "ready_timeout_s": READY_TIMEOUT_S,
+            },
+            f"{name}-bench",
+            timeout_s=READY_TIMEOUT_S + per_level * len(spec.concurrency) + 60,
+        )
+    except DiskFullError:
+        raise
+    except EngineError as exc:
+        return {engine: ServingResult(status="failed", reason=str(exc), workload=workload)}
+    return {
+        engine: ServingResult(
+            status=STATUS_PASSED,
+            tool=got["tool"],
+            workload=workload,
+            seconds=round(got["seconds"], 2),
+            levels={str(lv["concurrency"]): ServingLevel(**lv) for lv in got["levels"]},
+        )
+    }

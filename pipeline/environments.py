@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from pipeline.constants import (
     ENV_VLLM,
 )
 from pipeline.errors import DiskFullError, EngineError
-from pipeline.workers.protocol import dying_with_parent, group_rss_bytes, last_error_line
+from pipeline.workers.protocol import UsageSampler, dying_with_parent, last_error_line
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,51 +113,6 @@ class StepUsage:
     seconds: float
     peak_rss_mib: float
     peak_gpu_mib: float | None
-
-
-class UsageSampler:
-    """Samples a process group's summed RSS (from /proc) and the GPU's used memory in a thread."""
-
-    def __init__(self, pgid: int, interval_s: float = 0.5) -> None:
-        self.pgid, self.interval_s = pgid, interval_s
-        self.peak_rss = 0
-        self.peak_gpu_mib: float | None = None
-        self._nvidia_smi = shutil.which("nvidia-smi")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> UsageSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while True:
-            self.sample()
-            if self._stop.wait(self.interval_s):
-                return
-
-    def sample(self) -> None:
-        self.peak_rss = max(self.peak_rss, group_rss_bytes(self.pgid))
-        if self._nvidia_smi:
-            used = gpu_memory_used_mib(self._nvidia_smi)
-            if used is not None:
-                self.peak_gpu_mib = max(self.peak_gpu_mib or 0.0, used)
-
-
-def gpu_memory_used_mib(nvidia_smi: str) -> float | None:
-    """Memory used on the GPUs, summed (MiB), or None when nvidia-smi does not answer."""
-    try:
-        out = subprocess.run(
-            [nvidia_smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout  # fmt: skip
-        return float(sum(float(v) for v in out.split()))
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
 
 
 def run_step(

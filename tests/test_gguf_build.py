@@ -381,15 +381,20 @@ def _servers_of(artifacts: Path) -> list[str]:
     return found
 
 
-def test_the_serving_benchmark_measures_the_serve_command_under_load(
-    tiny_recipe_dir: Path, _isolated_artifacts: Path
-) -> None:
+def _built_with_benchmark(recipe_dir: Path, artifacts: Path) -> dict:
+    """Build the tiny F16 target with the serving benchmark on; its manifest (the build passed)."""
     recipe = write_recipe(
-        tiny_recipe_dir / "tiny.yaml", targets={"gguf-f16": TARGETS["gguf-f16"]}, serving_benchmark=BENCH
+        recipe_dir / "tiny.yaml", targets={"gguf-f16": TARGETS["gguf-f16"]}, serving_benchmark=BENCH
     )
     [result] = build_recipe(recipe, threads=2)
     assert result.outcome == "built" and result.validation == "passed", result
-    manifest = read_json(_isolated_artifacts / "tiny" / "gguf-f16" / MANIFEST_NAME)
+    return read_json(artifacts / "tiny" / "gguf-f16" / MANIFEST_NAME)
+
+
+def test_the_serving_benchmark_measures_the_serve_command_under_load(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    manifest = _built_with_benchmark(tiny_recipe_dir, _isolated_artifacts)
     serving = manifest["serving"]["llama.cpp"]
     assert serving["status"] == "passed", serving
     assert serving["tool"].startswith("guidellm ")
@@ -410,12 +415,7 @@ def test_a_server_that_never_gets_ready_fails_the_benchmark_not_the_artifact(
     import pipeline.serving
 
     monkeypatch.setattr(pipeline.serving, "READY_TIMEOUT_S", 0.5)
-    recipe = write_recipe(
-        tiny_recipe_dir / "tiny.yaml", targets={"gguf-f16": TARGETS["gguf-f16"]}, serving_benchmark=BENCH
-    )
-    [result] = build_recipe(recipe, threads=2)
-    assert result.outcome == "built" and result.validation == "passed", result
-    manifest = read_json(_isolated_artifacts / "tiny" / "gguf-f16" / MANIFEST_NAME)
+    manifest = _built_with_benchmark(tiny_recipe_dir, _isolated_artifacts)
     serving = manifest["serving"]["llama.cpp"]
     assert serving["status"] == "failed"
     assert (

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.environments import StepUsage, environment, group_rss_bytes, run_step
+from pipeline.environments import StepUsage, environment, run_step
 from pipeline.errors import EngineError
+from pipeline.workers.protocol import group_rss_bytes
 
 
 def _script(path: Path, body: str) -> str:

@@ -11,15 +11,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from pipeline.workers.protocol import (
+    UsageSampler,
     dying_with_parent,
-    group_rss_bytes,
     installed_versions,
     last_error_line,
     worker_main,
@@ -31,35 +30,6 @@ MIB = 1024**2
 
 def op_toolchain(req: dict[str, Any]) -> dict[str, Any]:
     return {"toolchain": installed_versions("guidellm", "transformers")}
-
-
-class _RssSamples:
-    """(time, summed RSS) of one process group every INTERVAL_S while in use."""
-
-    INTERVAL_S = 0.2
-
-    def __init__(self, pgid: int) -> None:
-        self.pgid, self.samples, self._stop = pgid, [], threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> _RssSamples:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.time(), group_rss_bytes(self.pgid)))
-            self._stop.wait(self.INTERVAL_S)
-
-    def peak_mib(self, start: float, end: float) -> float | None:
-        """The peak between start and end, widened by one interval (a level may be shorter)."""
-        slack = self.INTERVAL_S * 1.5
-        inside = [rss for t, rss in self.samples if start - slack <= t <= end + slack]
-        return round(max(inside) / MIB, 1) if inside else None
 
 
 def _wait_ready(server: subprocess.Popen[bytes], base: str, log: Path, timeout_s: float) -> str:
@@ -106,17 +76,17 @@ def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
     try:
         model_id = _wait_ready(server, base, log, req["ready_timeout_s"])
         ready_s = time.perf_counter() - t0
-        with _RssSamples(server.pid) as rss:
+        with UsageSampler(server.pid, interval_s=0.2) as usage:
             try:
                 report = _run_guidellm(base, model_id, req["tokenizer"], workload)
             finally:
                 if server.poll() is not None:  # the root cause, whatever the load generator said
                     why = last_error_line(log.read_text(errors="replace"))
                     raise RuntimeError(f"the server died during the benchmark: {why}")
-        levels = [
-            {**level, "peak_rss_mib": rss.peak_mib(start, end)}
-            for level, (start, end) in parse_report(report)
-        ]
+        levels = []
+        for level, (start, end) in parse_report(report):
+            rss, gpu = usage.peaks(start, end)
+            levels.append({**level, "peak_rss_mib": round(rss / MIB, 1), "peak_gpu_mib": gpu})
         for level in levels:
             if not level["completed"]:
                 raise RuntimeError(

@@ -8,7 +8,11 @@ import errno
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -75,6 +79,62 @@ def group_rss_bytes(pgid: int) -> int:
         except (OSError, IndexError, ValueError):
             continue  # the process ended while we looked
     return total
+
+
+def gpu_memory_used_mib(nvidia_smi: str) -> float | None:
+    """Memory used on the GPUs, summed (MiB), or None when nvidia-smi does not answer."""
+    try:
+        out = subprocess.run(
+            [nvidia_smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+        return float(sum(float(v) for v in out.split()))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+class UsageSampler:
+    """Samples a process group's summed RSS (from /proc) and the GPUs' used memory (nvidia-smi,
+    device-wide; None without one) every interval_s in a thread while in use (`with`), and keeps
+    every sample, so a caller can ask for the peaks of a time window (one load level)."""
+
+    def __init__(self, pgid: int, interval_s: float = 0.5) -> None:
+        self.pgid, self.interval_s = pgid, interval_s
+        self.samples: list[tuple[float, int, float | None]] = []  # (time.time(), rss bytes, gpu MiB)
+        self._nvidia_smi = shutil.which("nvidia-smi")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> UsageSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            gpu = gpu_memory_used_mib(self._nvidia_smi) if self._nvidia_smi else None
+            self.samples.append((time.time(), group_rss_bytes(self.pgid), gpu))
+            if self._stop.wait(self.interval_s):
+                return
+
+    def peaks(self, start: float = 0.0, end: float = float("inf")) -> tuple[int, float | None]:
+        """Peak RSS (bytes) and GPU MiB between start and end, widened by one and a half intervals
+        (a window may be shorter than one)."""
+        slack = self.interval_s * 1.5
+        inside = [(rss, gpu) for t, rss, gpu in self.samples if start - slack <= t <= end + slack]
+        gpus = [gpu for _, gpu in inside if gpu is not None]
+        return max((rss for rss, _ in inside), default=0), max(gpus) if gpus else None
+
+    @property
+    def peak_rss(self) -> int:
+        return self.peaks()[0]
+
+    @property
+    def peak_gpu_mib(self) -> float | None:
+        return self.peaks()[1]
 
 
 def last_error_line(output: str) -> str:

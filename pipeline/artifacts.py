@@ -230,18 +230,22 @@ def file_entries(directory: Path) -> list[FileEntry]:
     ]
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON next to `path`, then rename over it: readers never see half a file."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write next to `path`, then rename over it: readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         if exc.errno == errno.ENOSPC:
             raise DiskFullError(f"no space left on device writing {path}") from None
         raise
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def iter_artifacts(root: Path) -> Iterator[tuple[Path, Manifest]]:

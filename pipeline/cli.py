@@ -20,6 +20,7 @@ from pipeline.errors import EngineError, PipelineError, RegistryError, Validatio
 from pipeline.manifest import Manifest, read_manifest
 from pipeline.project import Project, TargetResult
 from pipeline.registry import KEEP_VERSIONS, Registry
+from pipeline.report import report_rows, write_html
 from pipeline.selection import OBJECTIVES, Scenario, select
 
 app = typer.Typer(
@@ -126,9 +127,19 @@ def reference(recipe: RecipeArg) -> None:
 
 
 @app.command()
-def report(recipe: RecipeArg, as_json: JsonOpt = False) -> None:
+def report(
+    recipe: RecipeArg,
+    as_json: JsonOpt = False,
+    html: Annotated[
+        Path | None, typer.Option("--html", help="Also write one self-contained page: table and plots.")
+    ] = None,
+) -> None:
     """Every built target's validation numbers in one table (and the DVC size-vs-ΔPPL data)."""
-    rows = _run(lambda: Project.open(recipe).report())
+    project = _run(lambda: Project.open(recipe))
+    rows = _run(project.report)
+    if html is not None:
+        page = _run(lambda: write_html(project.loaded.recipe.name, report_rows(rows), html))
+        err.print(f"report page: {page}", highlight=False)
     if as_json:
         out.print_json(json.dumps(rows))
         return

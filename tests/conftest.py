@@ -4,6 +4,8 @@ directories with typed manifests, and the `gpu` marker (those tests run only whe
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -191,3 +193,59 @@ def write_artifact(
     )
     write_manifest(d, manifest)
     return d
+
+
+# Debian's Chromium, started as the machine's probe showed it works here (no network chatter).
+CHROMIUM_FLAGS = (
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+)  # fmt: skip
+
+
+def chromium() -> str:
+    """Path of headless Chromium; a skip where it is missing, a failure where CI requires it
+    (.ci/run installs Debian's `chromium` and sets PIPELINE_REQUIRE_BROWSER=1)."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found:
+        return found
+    if os.environ.get("PIPELINE_REQUIRE_BROWSER") == "1":
+        pytest.fail("Chromium is required here and missing: apt-get install chromium")
+    pytest.skip("no Chromium: apt-get install chromium (Debian) to run the browser tests")
+
+
+def render_in_chromium(page: Path, profile: Path, screenshot: Path | None = None) -> str:
+    """The page's DOM after its scripts ran (10 s of virtual time), optionally a PNG of it."""
+    argv = [chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=10000"]
+    if screenshot is not None:
+        shot = [*argv, f"--screenshot={screenshot}", "--window-size=1400,2200", page.as_uri()]
+        subprocess.run(shot, capture_output=True, timeout=120, check=True)
+    done = subprocess.run([*argv, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def chart_points(dom: str, chart_id: str) -> list[str]:
+    """The aria-labels (Vega's "field: value; ..." text) of the points drawn in one chart's div."""
+    start = dom.index(f'id="{chart_id}"')
+    end = dom.find('<div class="chart', start)
+    marks = re.findall(r"<path\b[^>]*>", dom[start : end if end > 0 else len(dom)])
+    return [
+        m[1]
+        for tag in marks
+        if 'aria-roledescription="point"' in tag and (m := re.search(r'aria-label="([^"]*)"', tag))
+    ]
+
+
+def llama_servers(under: Path | None = None) -> list[str]:
+    """Command lines of llama.cpp OpenAI servers still running (serving something under `under`)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(b"llama_cpp.server" in a for a in args) and (
+            under is None or any(str(under).encode() in a for a in args)
+        ):
+            found.append(b" ".join(args).decode(errors="replace"))
+    return found

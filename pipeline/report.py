@@ -1,0 +1,229 @@
+"""`pipeline report RECIPE --html FILE`: one self-contained page per recipe. The artifact table
+and two Vega-Lite plots made with Altair (size vs ΔPPL; serving throughput vs TTFT p99 per
+concurrency level, per engine), with the Vega/Vega-Lite/vega-embed JavaScript inlined by
+vl-convert, so the page opens offline. The rows are the recipe's DVC metrics files
+(`Project.report()`), so targets built on a GPU host appear once their metrics are committed.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.artifacts import write_text_atomic
+from pipeline.errors import PipelineError
+
+SERVING_KEY = re.compile(r"^serving_c(\d+)_(ttft_ms_p99|itl_ms_p99|output_tokens_per_s|peak_rss_mib)$")
+# Chart ids in the page; a test counts each chart's marks by them.
+SIZE_CHART, SERVING_CHART = "size-vs-ppl", "throughput-vs-ttft"
+
+
+@dataclass(frozen=True)
+class ServingPoint:
+    """One concurrency level of one artifact's serving benchmark."""
+
+    concurrency: int
+    ttft_ms_p99: float | None = None
+    itl_ms_p99: float | None = None
+    output_tokens_per_s: float | None = None
+    peak_rss_mib: float | None = None
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    """One target's numbers as its metrics file holds them."""
+
+    target: str
+    engine: str
+    quant: str
+    status: str | None
+    size_mib: float | None
+    ppl_delta_pct: float | None
+    kld_mean: float | None
+    kld_topk_mean: float | None
+    token_agreement: float | None
+    tokens_per_s: float | None
+    serving_status: str | None = None
+    serving: list[ServingPoint] = field(default_factory=list)
+
+    @classmethod
+    def from_metrics(cls, record: dict[str, Any]) -> ReportRow:
+        levels: dict[int, dict[str, float]] = {}
+        for key, value in record.items():
+            if (m := SERVING_KEY.match(key)) is not None:
+                levels.setdefault(int(m[1]), {})[m[2]] = value
+        return cls(
+            target=record["target"],
+            engine=record.get("engine") or "-",
+            quant=record.get("quant") or "-",
+            status=record.get("status"),
+            size_mib=record.get("size_mib"),
+            ppl_delta_pct=record.get("ppl_delta_pct"),
+            kld_mean=record.get("kld_mean"),
+            kld_topk_mean=record.get("kld_topk_mean"),
+            token_agreement=record.get("token_agreement"),
+            tokens_per_s=record.get("tokens_per_s"),
+            serving_status=record.get(f"serving_{record.get('engine')}"),
+            serving=[ServingPoint(c, **levels[c]) for c in sorted(levels)],
+        )
+
+    def at(self, concurrency: int | None) -> ServingPoint | None:
+        """The level measured at `concurrency` (the lowest one for None)."""
+        if not self.serving:
+            return None
+        if concurrency is None:
+            return self.serving[0]
+        return next((p for p in self.serving if p.concurrency == concurrency), None)
+
+
+def report_rows(records: list[dict[str, Any]]) -> list[ReportRow]:
+    return [ReportRow.from_metrics(r) for r in records]
+
+
+def write_html(recipe: str, rows: list[ReportRow], path: Path) -> Path:
+    """Write the report page of `recipe` to `path` (atomically); a one-line error where the
+    plotting libraries are missing or nothing was built."""
+    if not rows:
+        raise PipelineError(f"nothing to report for {recipe}: no target has metrics yet (run pipeline build)")
+    try:
+        import altair as alt
+        import vl_convert
+        from altair.utils._importers import vl_version_for_vl_convert
+    except ImportError as exc:
+        raise PipelineError(
+            f"the report page needs altair and vl-convert-python ({exc.name} is missing): run make setup"
+        ) from None
+    charts = {SIZE_CHART: _size_chart(alt, rows), SERVING_CHART: _serving_chart(alt, rows)}
+    bundle = vl_convert.javascript_bundle(vl_version=vl_version_for_vl_convert())
+    page = _page(recipe, rows, {k: c.to_dict() for k, c in charts.items() if c is not None}, bundle)
+    write_text_atomic(path, page)
+    return path
+
+
+def _size_chart(alt: Any, rows: list[ReportRow]) -> Any:
+    values = [
+        {"target": r.target, "engine": r.engine, "quant": r.quant, "status": r.status or "-",
+         "size_mib": r.size_mib, "ppl_delta_pct": r.ppl_delta_pct}
+        for r in rows if r.size_mib is not None and r.ppl_delta_pct is not None
+    ]  # fmt: skip
+    if not values:
+        return None
+    base = alt.Chart(alt.Data(values=values)).encode(
+        x=alt.X("size_mib:Q", title="size (MiB)", scale=alt.Scale(zero=False)),
+        y=alt.Y("ppl_delta_pct:Q", title="ΔPPL vs reference (%)"),
+    )
+    points = base.mark_point(size=90, filled=True).encode(
+        color=alt.Color("engine:N"),
+        shape=alt.Shape("status:N"),
+        tooltip=["target:N", "engine:N", "quant:N", "status:N", "size_mib:Q", "ppl_delta_pct:Q"],
+    )
+    labels = base.mark_text(align="left", dx=7, dy=-7).encode(text="target:N")
+    return (points + labels).properties(title="Size vs quality", width=520, height=320)
+
+
+def _serving_chart(alt: Any, rows: list[ReportRow]) -> Any:
+    values = [
+        {"target": r.target, "engine": r.engine, "concurrency": p.concurrency,
+         "ttft_ms_p99": p.ttft_ms_p99, "output_tokens_per_s": p.output_tokens_per_s,
+         "itl_ms_p99": p.itl_ms_p99}
+        for r in rows for p in r.serving
+        if p.ttft_ms_p99 is not None and p.output_tokens_per_s is not None
+    ]  # fmt: skip
+    if not values:
+        return None
+    base = alt.Chart(alt.Data(values=values)).encode(
+        x=alt.X("ttft_ms_p99:Q", title="TTFT p99 (ms)"),
+        y=alt.Y("output_tokens_per_s:Q", title="output tokens/s"),
+        color=alt.Color("target:N"),
+    )
+    lines = base.mark_line(point=True).encode(
+        order="concurrency:Q",
+        tooltip=["target:N", "engine:N", "concurrency:Q", "ttft_ms_p99:Q", "itl_ms_p99:Q",
+                 "output_tokens_per_s:Q"],
+    )  # fmt: skip
+    labels = base.mark_text(align="left", dx=6, dy=8, fontSize=10).encode(
+        text=alt.Text("concurrency:Q", format="d")
+    )
+    return (
+        (lines + labels)
+        .properties(width=420, height=300)
+        .facet(column=alt.Column("engine:N", title="engine"))
+        .properties(title="Serving: throughput vs TTFT p99 (point labels: concurrency)")
+    )
+
+
+TABLE_COLUMNS = (
+    "target", "engine", "quant", "status", "size MiB", "ΔPPL %", "KLD", "KLD top-k ≥", "agreement",
+    "tok/s (1 stream)", "serving", "TTFT p99 ms (lowest c)", "output tok/s (highest c)",
+)  # fmt: skip
+
+
+def _cell(value: Any, spec: str = "") -> str:
+    return "–" if value is None else html.escape(format(value, spec))
+
+
+def _table(rows: list[ReportRow]) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in TABLE_COLUMNS)
+    body = []
+    for r in rows:
+        low, high = r.at(None), (r.serving[-1] if r.serving else None)
+        cells = (
+            _cell(r.target), _cell(r.engine), _cell(r.quant), _cell(r.status), _cell(r.size_mib, ".1f"),
+            _cell(r.ppl_delta_pct, "+.2f"), _cell(r.kld_mean, ".4f"), _cell(r.kld_topk_mean, ".4f"),
+            _cell(r.token_agreement, ".3f"), _cell(r.tokens_per_s, ".1f"), _cell(r.serving_status),
+            _cell(low and low.ttft_ms_p99, ".0f") + (f" (c={low.concurrency})" if low else ""),
+            _cell(high and high.output_tokens_per_s, ".1f") + (f" (c={high.concurrency})" if high else ""),
+        )  # fmt: skip
+        body.append(f'<tr class="status-{html.escape(r.status or "none")}">' + "".join(
+            f"<td>{c}</td>" for c in cells) + "</tr>")  # fmt: skip
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _page(recipe: str, rows: list[ReportRow], specs: dict[str, dict[str, Any]], bundle: str) -> str:
+    """The HTML: the table, one div per chart, the inlined JS bundle, and a vegaEmbed call per chart
+    (SVG renderer) that marks the body `data-rendered` with the charts drawn, or `data-error`."""
+    missing = {
+        SIZE_CHART: "no target has both a size and a ΔPPL yet",
+        SERVING_CHART: "no serving numbers yet (serving_benchmark is off, or no artifact passed)",
+    }
+    divs = "".join(
+        f'<div class="chart" id="{cid}"></div>' if cid in specs else f'<p class="empty">{missing[cid]}</p>'
+        for cid in (SIZE_CHART, SERVING_CHART)
+    )
+    # "</" must not end the <script> early: JSON-escaped slashes keep specs inert.
+    embed = json.dumps(specs).replace("</", "<\\/")
+    script = f"""
+const specs = {embed};
+Promise.all(Object.entries(specs).map(([id, spec]) =>
+  vegaEmbed('#' + id, spec, {{renderer: 'svg', actions: false}})))
+  .then(() => {{ document.body.dataset.rendered = Object.keys(specs).length; }})
+  .catch(e => {{ document.body.dataset.error = String(e); console.error(e); }});
+"""
+    title = html.escape(f"pipeline report: {recipe}")
+    inline_js = bundle.replace("</script", "<\\/script")
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; }}
+table {{ border-collapse: collapse; margin-bottom: 2em; }}
+th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }}
+th:nth-child(-n+4), td:nth-child(-n+4) {{ text-align: left; }}
+tr.status-failed td {{ background: #fde8e8; }}
+.chart {{ margin-bottom: 2em; }}
+.empty {{ color: #666; font-style: italic; }}
+</style>
+<script>{inline_js}</script>
+</head><body>
+<h1>{title}</h1>
+<p>{len(rows)} targets. ΔPPL, KLD and agreement against the recipe's fp32 transformers reference;
+KLD top-k ≥ is the lower bound from an engine's top-64 logprobs; serving numbers from the recipe's
+serving benchmark (GuideLLM under each artifact's serve command).</p>
+{_table(rows)}
+{divs}
+<script>{script}</script>
+</body></html>
+"""

@@ -1,0 +1,111 @@
+"""`pipeline report --html`: the page is one file that renders its plots in a real browser (Debian's
+headless Chromium), offline; a broken plot is seen as broken; nothing built is one clear error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.report import SERVING_CHART, SIZE_CHART, ReportRow
+from tests.conftest import chart_points, render_in_chromium, write_recipe
+
+GGUF = {"kind": "gguf", "quant": "F16", "gates": {"max_ppl_delta_pct": 1.0, "max_kld_mean": 0.01}}
+AWQ = {"kind": "awq", "group_size": 64, "gates": {"max_ppl_delta_pct": 30.0, "max_kld_topk_mean": 0.3}}
+TARGETS = {"gguf-f16": GGUF, "gguf-q4_0": {**GGUF, "quant": "Q4_0"}, "awq": AWQ}
+
+
+def _metrics(target: str, engine: str, quant: str, status: str, size: float, delta: float | None,
+             serving: dict[int, tuple[float, float]] | None = None) -> dict:  # fmt: skip
+    """A metrics file as `pipeline build` writes it (Project._write_metrics)."""
+    record = {"status": status, "engine": engine, "quant": quant, "size_mib": size,
+              "verdicts": {engine: status}, "ppl_delta_pct": delta, "kld_mean": 0.01,
+              "kld_topk_mean": None, "token_agreement": 0.9, "tokens_per_s": 50.0}  # fmt: skip
+    if serving is not None:
+        record[f"serving_{engine}"] = "passed"
+        for c, (ttft, tps) in serving.items():
+            key = f"serving_c{c}_"
+            record |= {key + "ttft_ms_p99": ttft, key + "itl_ms_p99": 20.0,
+                       key + "output_tokens_per_s": tps, key + "peak_rss_mib": 400.0}  # fmt: skip
+    return record
+
+
+def _built(recipe_dir: Path, artifacts: Path, serving: bool = True) -> Path:
+    recipe = write_recipe(recipe_dir / "tiny.yaml", targets=TARGETS)
+    metrics = artifacts / "tiny" / ".metrics"
+    metrics.mkdir(parents=True)
+    records = {
+        "gguf-f16": _metrics("gguf-f16", "llama.cpp", "F16", "passed", 258.0, 0.01,
+                             {1: (300.0, 24.0), 4: (3900.0, 27.0)} if serving else None),
+        "gguf-q4_0": _metrics("gguf-q4_0", "llama.cpp", "Q4_0", "passed", 88.0, 24.0,
+                              {1: (310.0, 49.0), 4: (2600.0, 43.0)} if serving else None),
+        "awq": _metrics("awq", "vllm", "awq-w4a16-g64", "failed", 120.0, 40.0),
+    }  # fmt: skip
+    for target, record in records.items():
+        (metrics / f"{target}.json").write_text(json.dumps(record))
+    return recipe
+
+
+def test_the_page_renders_both_plots_in_headless_chromium(
+    tmp_path: Path, tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    recipe = _built(tiny_recipe_dir, _isolated_artifacts)
+    page = tmp_path / "report.html"
+    res = CliRunner().invoke(app, ["report", str(recipe), "--html", str(page)])
+    assert res.exit_code == 0, res.output
+    text = page.read_text()
+    assert "cdn.jsdelivr" not in text and "<script src" not in text  # one self-contained file
+    dom = render_in_chromium(page, tmp_path / "profile", screenshot=tmp_path / "report.png")
+    assert 'data-rendered="2"' in dom and "data-error" not in dom
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    # one point per target with a size and a ΔPPL, each labelled with its numbers
+    labels = chart_points(dom, SIZE_CHART)
+    assert len(labels) == 3 and any("target: gguf-q4_0" in s and "size_mib: 88" in s for s in labels)
+    points = chart_points(dom, SERVING_CHART)
+    assert len(points) == 4  # two artifacts x two concurrency levels; the failed AWQ has none
+    assert any("concurrency: 4" in p and "ttft_ms_p99: 2600" in p for p in points), points
+    # the table carries every target, the failed one marked
+    assert text.count("<tr class=") == 3 and 'class="status-failed"' in text
+
+
+def test_a_plot_that_cannot_render_is_seen_failing(
+    tmp_path: Path, tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    recipe = _built(tiny_recipe_dir, _isolated_artifacts)
+    page = tmp_path / "report.html"
+    assert CliRunner().invoke(app, ["report", str(recipe), "--html", str(page)]).exit_code == 0
+    text = page.read_text()
+    broken = text.replace('"mark": {"type": "point"', '"mark": {"type": "no-such-mark"', 1)
+    assert broken != text
+    page.write_text(broken)
+    dom = render_in_chromium(page, tmp_path / "profile")
+    assert "data-rendered" not in dom and "data-error=" in dom
+
+
+def test_without_serving_numbers_the_page_says_so(
+    tmp_path: Path, tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    recipe = _built(tiny_recipe_dir, _isolated_artifacts, serving=False)
+    page = tmp_path / "report.html"
+    assert CliRunner().invoke(app, ["report", str(recipe), "--html", str(page)]).exit_code == 0
+    dom = render_in_chromium(page, tmp_path / "profile")
+    assert 'data-rendered="1"' in dom and "no serving numbers yet" in dom
+
+
+def test_nothing_built_is_one_clear_error(
+    tmp_path: Path, tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets=TARGETS)
+    page = tmp_path / "report.html"
+    res = CliRunner().invoke(app, ["report", str(recipe), "--html", str(page)])
+    assert res.exit_code == 1 and "nothing to report for tiny: no target has metrics yet" in res.output
+    assert not page.exists()
+
+
+def test_serving_levels_are_read_back_from_the_metrics_keys() -> None:
+    row = ReportRow.from_metrics({"target": "t", **_metrics("t", "llama.cpp", "Q8_0", "passed", 1.0, 0.5,
+                                                            {8: (5.0, 80.0), 1: (1.0, 10.0)})})  # fmt: skip
+    assert [p.concurrency for p in row.serving] == [1, 8]
+    assert row.serving_status == "passed" and row.at(8).output_tokens_per_s == 80.0 and row.at(2) is None

@@ -24,10 +24,15 @@ SERVED_ENGINES = ("llama.cpp", "vllm", "sglang")  # engines whose serve command 
 
 
 def benchmark(
-    ctx: BuildContext, name: str, artifact: Path, validation: Validation, serve_command: str
+    ctx: BuildContext,
+    name: str,
+    artifact: Path,
+    validation: Validation,
+    serve_command: str,
+    port: int | None = None,
 ) -> dict[str, ServingResult]:
-    """The primary engine's serving benchmark of `artifact` (served by `serve_command`), or {}
-    where the recipe turns it off or the artifact did not pass."""
+    """The primary engine's serving benchmark of `artifact` (served by `serve_command` on `port`,
+    default a free loopback one), or {} where the recipe turns it off or the artifact did not pass."""
     spec = ctx.loaded.recipe.serving_benchmark
     engine = validation.engine
     if not spec.enabled or validation.status != STATUS_PASSED:
@@ -58,6 +63,7 @@ def benchmark(
                 "workload": workload,
                 "server_log": str(ctx.log_path(f"{name}-{engine_env}-bench-server")),
                 "ready_timeout_s": READY_TIMEOUT_S,
+                "port": port,
             },
             f"{name}-bench",
             timeout_s=READY_TIMEOUT_S + per_level * len(spec.concurrency) + 60,

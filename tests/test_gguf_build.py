@@ -7,7 +7,9 @@ architecture and a real full filesystem (tmpfs).
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,7 @@ from pipeline.errors import DiskFullError, RegistryError, ValidationFailed
 from pipeline.hashing import file_sha256
 from pipeline.project import Project
 from pipeline.registry import Registry
-from tests.conftest import read_json, serve_and_ask, write_recipe
+from tests.conftest import llama_servers, read_json, serve_and_ask, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -368,60 +370,47 @@ def test_a_changed_lock_makes_the_target_stale_and_is_recorded(
 BENCH = {"enabled": True, "prompt_tokens": 16, "output_tokens": 8, "concurrency": [1, 2], "requests": 2}
 
 
-def _servers_of(artifacts: Path) -> list[str]:
-    """Command lines of processes still serving something under `artifacts`."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(b"llama_cpp.server" in a for a in args) and any(str(artifacts).encode() in a for a in args):
-            found.append(b" ".join(args).decode(errors="replace"))
-    return found
-
-
-def _built_with_benchmark(recipe_dir: Path, artifacts: Path) -> dict:
-    """Build the tiny F16 target with the serving benchmark on; its manifest (the build passed)."""
-    recipe = write_recipe(
-        recipe_dir / "tiny.yaml", targets={"gguf-f16": TARGETS["gguf-f16"]}, serving_benchmark=BENCH
-    )
-    [result] = build_recipe(recipe, threads=2)
-    assert result.outcome == "built" and result.validation == "passed", result
-    return read_json(artifacts / "tiny" / "gguf-f16" / MANIFEST_NAME)
-
-
-def test_the_serving_benchmark_measures_the_serve_command_under_load(
-    tiny_recipe_dir: Path, _isolated_artifacts: Path
+def test_a_failing_benchmark_is_recorded_and_never_touches_the_artifact(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    manifest = _built_with_benchmark(tiny_recipe_dir, _isolated_artifacts)
-    serving = manifest["serving"]["llama.cpp"]
-    assert serving["status"] == "passed", serving
-    assert serving["tool"].startswith("guidellm ")
-    assert sorted(serving["levels"]) == ["1", "2"]
-    for level in serving["levels"].values():
-        assert level["completed"] == 2 and level["errored"] == 0
-        assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p99"]
-        assert level["output_tokens_per_s"] > 0 and level["peak_rss_mib"] > 10
-    assert "guidellm" in manifest["toolchain"]
-    metrics = read_json(_isolated_artifacts / "tiny" / ".metrics" / "gguf-f16.json")
-    assert metrics["serving_llama.cpp"] == "passed" and metrics["serving_c2_output_tokens_per_s"] > 0
-    assert _servers_of(_isolated_artifacts) == []
-
-
-def test_a_server_that_never_gets_ready_fails_the_benchmark_not_the_artifact(
-    tiny_recipe_dir: Path, _isolated_artifacts: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    """The happy path runs in the end-to-end test on SmolLM2's artifacts. Here each way the
+    benchmark can fail: a server that never gets ready (inside a build: the artifact is still
+    published and resolves), then on that artifact a port taken by another process and a load
+    generator that crashes (GuideLLM cannot load the tokenizer). Each is `failed` with the reason,
+    and no server is left behind."""
     import pipeline.serving
+    from pipeline.manifest import read_manifest
+    from pipeline.serving import benchmark
 
-    monkeypatch.setattr(pipeline.serving, "READY_TIMEOUT_S", 0.5)
-    manifest = _built_with_benchmark(tiny_recipe_dir, _isolated_artifacts)
-    serving = manifest["serving"]["llama.cpp"]
-    assert serving["status"] == "failed"
-    assert (
-        "the server was not ready within 0 s" in serving["reason"]
-        or "not ready within 1 s" in serving["reason"]
+    recipe = write_recipe(
+        tiny_recipe_dir / "tiny.yaml", targets={"gguf-f16": TARGETS["gguf-f16"]}, serving_benchmark=BENCH
     )
-    assert serving["levels"] == {}
+    with monkeypatch.context() as patched:
+        patched.setattr(pipeline.serving, "READY_TIMEOUT_S", 0.5)
+        [result] = build_recipe(recipe, threads=2)
+    assert result.outcome == "built" and result.validation == "passed", result
+    artifact = _isolated_artifacts / "tiny" / "gguf-f16"
+    serving = read_json(artifact / MANIFEST_NAME)["serving"]["llama.cpp"]
+    assert serving["status"] == "failed" and serving["levels"] == {}
+    assert re.search(r"the server was not ready within [01] s", serving["reason"]), serving["reason"]
     assert Registry(_isolated_artifacts).resolve("tiny", "llama.cpp", "F16")["status"] == "passed"
-    assert _servers_of(_isolated_artifacts) == []
+    assert llama_servers(_isolated_artifacts) == []
+
+    project = Project.open(recipe)
+    ctx, manifest = project.context(), read_manifest(artifact)
+    command = manifest.serve.command
+    with socket.socket() as taken:  # another process holds the port the server is given
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        got = benchmark(ctx, "gguf-f16", artifact, manifest.validation, command, port=taken.getsockname()[1])
+    assert got["llama.cpp"].status == "failed"
+    reason = got["llama.cpp"].reason
+    assert re.search(r"exited with code [1-9]\d* before it was ready: .*address already in use", reason)
+
+    copy = tmp_path / "broken-tokenizer"
+    shutil.copytree(artifact, copy)
+    (copy / "tokenizer.json").write_text("{not json")
+    got = benchmark(ctx, "gguf-f16", copy, manifest.validation, command)
+    assert got["llama.cpp"].status == "failed" and "guidellm exited with code" in got["llama.cpp"].reason
+    assert llama_servers(_isolated_artifacts) == [] and llama_servers(tmp_path) == []
+    assert read_manifest(artifact) == manifest

@@ -71,6 +71,12 @@ def test_a_server_that_stops_is_reported_by_its_error_line() -> None:
     assert last_error_line(output).startswith("ValueError: User-specified max_model_len (4096)")
     engine = "(EngineCore_DP0 pid=4970) RuntimeError: CUDA out of memory\n(APIServer pid=1) shutting down\n"
     assert last_error_line(engine) == "RuntimeError: CUDA out of memory"
+    uvicorn = (
+        "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 8000): "
+        "address already in use\n"
+        "~llama_context:        CPU compute buffer size =     5.01 MiB\n"
+    )
+    assert last_error_line(uvicorn).endswith("address already in use")
     assert last_error_line("starting\nkilled\n") == "killed" and last_error_line("") == "no output"
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.constants import MANIFEST_NAME
-from tests.conftest import REPO, read_json, serve_and_ask
+from tests.conftest import REPO, chart_points, llama_servers, read_json, render_in_chromium, serve_and_ask
 
 pytestmark = pytest.mark.slow
 TARGETS = ("gguf-f16", "gguf-q8_0", "gguf-q4_0", "gguf-iq4_xs", "awq", "gptq")
@@ -123,6 +123,22 @@ def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> N
         assert 0 < v["metrics"]["ppl_delta_pct"] < 30 and v["metrics"]["ppl_engine_ref"] > 0
         assert v["metrics"]["kld_topk_mean"] > 0 and v["metrics"]["kld_mean"] is None
 
+    # The serving benchmark (on in the default recipe): every passing artifact carries its numbers,
+    # measured under its own serve command; the others are not benchmarked.
+    for target, m in everything.items():
+        if m["validation"]["status"] != "passed":
+            assert m["serving"] == {}, target
+            continue
+        serving = m["serving"][m["engine"]]
+        assert serving["status"] == "passed", (target, serving["reason"])
+        assert serving["tool"].startswith("guidellm ") and "guidellm" in m["toolchain"]
+        assert sorted(serving["levels"], key=int) == ["1", "4"]
+        for level in serving["levels"].values():
+            assert level["completed"] == serving["workload"]["requests"] and level["errored"] == 0
+            assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p99"] and level["itl_ms_p50"] > 0
+            assert level["output_tokens_per_s"] > 0 and level["peak_rss_mib"] > 100
+    assert not llama_servers(), "a benchmark server outlived its build"
+
     listed = _run(workspace, "pipeline", "list", "--json")
     assert {a["target"] for a in json.loads(listed.stdout)} == set(TARGETS)
     # The CLI front door agrees with DVC's: everything is up to date.
@@ -146,9 +162,27 @@ def test_metrics_show_lists_every_artifact(workspace: Path) -> None:
             assert {"ppl_delta_pct", kld, "tokens_per_s"} <= data.keys()
         assert data["status"] == manifest["validation"]["status"] and data["size_mib"] > 50
         assert data["verdicts"] == {e: v["status"] for e, v in manifest["validation"]["engines"].items()}
+        if manifest["serving"]:
+            assert data[f"serving_{manifest['engine']}"] == "passed"
+            assert data["serving_c1_ttft_ms_p99"] > 0 and data["serving_c4_output_tokens_per_s"] > 0
     plots = json.loads(_run(workspace, "dvc", "plots", "show", "--json").stdout)
     points = plots["data"]["artifacts/smollm2-135m/.report/size-vs-ppl.json"][0]["content"]["data"]["values"]
     assert sorted(p["target"] for p in points) == sorted(TARGETS)
+
+
+def test_the_report_page_of_the_build_renders_in_chromium(workspace: Path, tmp_path: Path) -> None:
+    page = tmp_path / "report.html"
+    _run(workspace, "pipeline", "report", RECIPE, "--html", str(page))
+    dom = render_in_chromium(page, tmp_path / "profile", screenshot=tmp_path / "report.png")
+    assert 'data-rendered="2"' in dom and "data-error" not in dom
+
+    def targets(chart_id: str) -> list[str]:
+        return sorted(re.search(r"target: ([^;]+)", label)[1] for label in chart_points(dom, chart_id))
+
+    manifests = {t: read_json(workspace / "artifacts/smollm2-135m" / t / MANIFEST_NAME) for t in TARGETS}
+    assert targets("size-vs-ppl") == sorted(t for t, m in manifests.items() if m["validation"]["metrics"])
+    benchmarked = [t for t, m in manifests.items() if m["serving"]]
+    assert benchmarked and targets("throughput-vs-ttft") == sorted(t for t in benchmarked for _ in (1, 4))
 
 
 def test_changing_one_target_reruns_only_it(workspace: Path) -> None:

@@ -1,7 +1,8 @@
 """The serving benchmark, inside the `guidellm` environment: start the artifact's serve command
 (with its engine environment's python) on a free loopback port, wait until it answers, then one
-GuideLLM run per concurrency level (synthetic prompts of a fixed length, a bounded request count),
-sampling the server's process-group memory, and shut the server down whatever happens."""
+GuideLLM run over the concurrency levels (synthetic prompts of a fixed length, a bounded request
+count) after one warm-up request, sampling the server's process-group memory, and shut the server
+down whatever happens."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pipeline.workers.protocol import (
     last_error_line,
     worker_main,
 )
-from pipeline.workers.serving import free_port, serve_argv
+from pipeline.workers.serving import free_port, post_json, serve_argv
 
 MIB = 1024**2
 
@@ -48,6 +49,16 @@ def _wait_ready(server: subprocess.Popen[bytes], base: str, log: Path, timeout_s
     raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s (log: {log})")
 
 
+def _warm_up(base: str, model_id: str, tokens: int) -> None:
+    """One request before measuring: the first one pays for paging the weights in (and for
+    compiling, on vLLM), which is the server's start, not its serving."""
+    try:
+        post_json(f"{base}/v1/completions", {"model": model_id, "prompt": "Hello", "max_tokens": tokens},
+                  timeout=300)  # fmt: skip
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(f"the warm-up request failed: {exc}") from None
+
+
 def _stop(server: subprocess.Popen[bytes]) -> None:
     """SIGTERM the server's process group, SIGKILL what is left after 15 s."""
     for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
@@ -64,7 +75,7 @@ def _stop(server: subprocess.Popen[bytes]) -> None:
 
 def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
     workload = req["workload"]
-    port = free_port()
+    port = req.get("port") or free_port()  # a fixed port only where a test asks for one
     base = f"http://127.0.0.1:{port}"
     argv = serve_argv(req["command"], req["model_dir"], port, python=req["python"])
     log = Path(req["server_log"])
@@ -76,6 +87,7 @@ def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
     try:
         model_id = _wait_ready(server, base, log, req["ready_timeout_s"])
         ready_s = time.perf_counter() - t0
+        _warm_up(base, model_id, workload["output_tokens"])
         with UsageSampler(server.pid, interval_s=0.2) as usage:
             try:
                 report = _run_guidellm(base, model_id, req["tokenizer"], workload)

@@ -138,12 +138,16 @@ class UsageSampler:
 
 
 def last_error_line(output: str) -> str:
-    """The line of a server's output that says why it stopped: the last `...Error: ...` line, else
-    the last non-empty one."""
+    """The line of a server's output that says why it stopped: the last `...Error: ...` (or
+    uvicorn's `ERROR:`) line, else the last non-empty one."""
     prefix = re.compile(r"^(\x1b\[[0-9;]*m)*(\(\S+ pid=\d+\)\s*)?")  # colour codes, "(APIServer pid=N) "
     lines = [prefix.sub("", ln).strip() for ln in output.splitlines()]
     lines = [ln for ln in lines if ln]
-    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception)\b", ln.split("] ")[-1])]
+    errors = [
+        ln
+        for ln in lines
+        if ln.startswith("ERROR:") or re.match(r"^[\w.]*(Error|Exception)\b", ln.split("] ")[-1])
+    ]
     return (errors or lines or ["no output"])[-1][:400]
 
 

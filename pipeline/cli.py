@@ -67,11 +67,21 @@ def build(
             "--require-all", help="Fail (exit 5) when a target's engine is unavailable on this host."
         ),
     ] = False,
+    cluster: Annotated[
+        str | None,
+        typer.Option(
+            envvar="PIPELINE_CLUSTER",
+            help="Build on a Ray cluster: its address, `auto` (this host's `ray start` cluster) or "
+            "`local` (one started in this process). The artifacts root must be on storage every "
+            "node mounts at the same path.",
+        ),
+    ] = None,
 ) -> None:
     """Build, validate and publish a recipe's artifacts.
 
     A target whose engine this host lacks (TensorRT-LLM without it or its GPU) is reported
-    `unavailable` with the reason and does not fail the build, unless --require-all.
+    `unavailable` with the reason and does not fail the build, unless --require-all. With
+    --cluster, a target no node of the cluster can build is the one `unavailable`.
     """
     names = [t.strip() for t in targets.split(",") if t.strip()] if targets else None
     with Progress(
@@ -83,7 +93,7 @@ def build(
             lambda: (
                 project.plan(names)
                 if dry_run
-                else project.build(names, force=force, reporter=reporter, threads=threads)
+                else _build(project, names, force, reporter, threads, cluster)
             )
         )
     out.print(_summary(results))
@@ -109,6 +119,17 @@ def build(
         names = ", ".join(r.target for r in unavailable)
         err.print(f"[bold red]error:[/] --require-all: {names} unavailable on this host")
         raise typer.Exit(EngineError.exit_code)
+
+
+def _build(
+    project: Project, names: list[str] | None, force: bool, reporter: _RichReporter, threads: int,
+    cluster: str | None,
+) -> list[TargetResult]:  # fmt: skip
+    if not cluster:
+        return project.build(names, force=force, reporter=reporter, threads=threads)
+    from pipeline.cluster import build_on_cluster  # Ray is imported only for cluster builds
+
+    return build_on_cluster(project, cluster, names, force=force, reporter=reporter, threads=threads)
 
 
 @app.command()
@@ -178,7 +199,8 @@ def _fmt(value: Any, spec: str) -> str:
 def _summary(results: list[TargetResult]) -> Table:
     table = Table(title="build summary")
     columns = ("target", "outcome", "validation", "ΔPPL %", "KLD", "KLD top-k ≥", "agree", TOKENS_PER_S)
-    for col in (*columns, "time", "note"):
+    on_nodes = any(r.host and "(node " in r.host for r in results)  # a cluster build: say where
+    for col in (*columns, "time", *(("built on",) if on_nodes else ()), "note"):
         table.add_column(col)
     for r in results:
         m = r.metrics
@@ -195,6 +217,7 @@ def _summary(results: list[TargetResult]) -> Table:
             _fmt(m.get("token_agreement"), ".2f"),
             _fmt(m.get("tokens_per_s"), ".0f"),
             f"{r.seconds:.0f}s",
+            *((r.host or "-",) if on_nodes else ()),
             note,
         )
     return table
@@ -271,6 +294,21 @@ def show(artifact: Annotated[str, typer.Argument(help="RECIPE/TARGET")], as_json
     for f in manifest.files:
         out.print(f"  {f.path}  {f.bytes} bytes  sha256 {f.sha256[:16]}…")
     out.print(f"serve: {manifest.serve.command}")
+
+
+cluster_app = typer.Typer(help="Ray cluster commands (`pipeline build --cluster`).", no_args_is_help=True)
+app.add_typer(cluster_app, name="cluster")
+
+
+@cluster_app.command("resources")
+def cluster_resources(
+    slots: Annotated[int, typer.Option(min=1, help="Builds this node runs at once.")] = 1,
+) -> None:
+    """This host's Ray custom resources as JSON, for `ray start --resources`: its step
+    environments, its GPU architecture and its build slots (pipeline.cluster)."""
+    from pipeline.cluster import node_resources
+
+    typer.echo(json.dumps(node_resources(slots)))  # plain: it goes into `ray start --resources`
 
 
 registry_app = typer.Typer(

@@ -108,6 +108,8 @@ class BuildInfo(_Model):
     profile: dict[str, Any] | None = None
     inputs_sha256: str
     finished_at: str
+    host: str | None = None  # the machine that built it (absent in manifests from before 2026-12)
+    node: str | None = None  # the Ray node id, when a cluster build placed it (`--cluster`)
     spec: dict[str, Any]
     steps: list[StepRecord] = []  # the steps this build ran (cached ones it reused are absent)
 

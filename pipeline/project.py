@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -47,6 +48,15 @@ METRIC_COLUMNS = (
 )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class TargetInputs:
+    """What decides a target's artifact: the toolchain it records, its serve command, their hash."""
+
+    toolchain: dict[str, Any]
+    serve_command: str
+    sha256: str
+
+
 @dataclass
 class TargetResult:
     """What happened to one target: built, up-to-date, planned, unavailable or error."""
@@ -61,6 +71,7 @@ class TargetResult:
     seconds: float = 0.0
     exit_code: int = 0
     plan: dict[str, Any] | None = None  # dry runs: commands and configs the build would use
+    host: str | None = None  # where it was built (cluster builds: the host and its Ray node)
 
     @property
     def failed(self) -> bool:
@@ -95,13 +106,16 @@ class Project:
             )
         return {n: targets[n] for n in names} if names else targets
 
-    def context(self, reporter: Reporter | None = None, threads: int = 0) -> BuildContext:
+    def context(
+        self, reporter: Reporter | None = None, threads: int = 0, node: str | None = None
+    ) -> BuildContext:
         return BuildContext(
             loaded=self.loaded,
             source_resolver=lambda: resolve_source(self.loaded, self.layout.logs_dir / "source.log"),
             layout=self.layout,
             reporter=reporter or NullReporter(),
             threads=threads,
+            node=node,
         )
 
     def plan(self, names: list[str] | None = None) -> list[TargetResult]:
@@ -179,32 +193,57 @@ class Project:
             return self._build_target_locked(ctx, name, spec, force)
 
     def _build_target_locked(self, ctx: BuildContext, name: str, spec: Target, force: bool) -> TargetResult:
+        inputs = self.target_inputs(ctx, name, spec)
+        old = None if force else self.current_manifest(name)
+        if old is not None and old.build.inputs_sha256 == inputs.sha256:
+            return self.up_to_date(name, spec)
+        staging = self.layout.new_staging(name)
+        try:
+            manifest = self.make_artifact(ctx, name, spec, staging, inputs)
+            return self.record(name, spec, staging, manifest)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def up_to_date(self, name: str, spec: Target) -> TargetResult:
+        """The workspace artifact is what a build would make: (re-)register it, rewrite its metrics."""
         final = self.layout.target_dir(name)
+        manifest = read_manifest(final)
+        self.registry.register(final)
+        self._write_metrics(name, manifest, spec.gpu_host)
+        return _result(name, "up-to-date", final, manifest)
+
+    def current_manifest(self, name: str) -> Manifest | None:
+        """The manifest of the target's workspace artifact (None: none, another schema, damaged)."""
+        final = self.layout.target_dir(name)
+        if not (final / MANIFEST_NAME).is_file():
+            return None
+        try:
+            return read_manifest(final)
+        except RegistryError:
+            return None  # another schema or a damaged manifest: rebuild
+
+    def target_inputs(self, ctx: BuildContext, name: str, spec: Target) -> TargetInputs:
+        """The toolchain, serve command and inputs hash a build of the target would record."""
         toolchain = {env: ctx.versions(env) for env in spec.recorded_environments()}
         if self.loaded.recipe.serving_benchmark.enabled and environment_exists(ENV_GUIDELLM):
             toolchain[ENV_GUIDELLM] = ctx.versions(ENV_GUIDELLM)  # the load generator's numbers
         serve_command = spec.serve_command(self.loaded.recipe.serve)
         inputs = inputs_sha256(ctx, name, spec, toolchain, serve_command)
-        if not force and (final / MANIFEST_NAME).is_file():
-            try:
-                old = read_manifest(final)
-            except RegistryError:
-                old = None  # another schema or a damaged manifest: rebuild
-            if old is not None and old.build.inputs_sha256 == inputs:
-                self.registry.register(final)
-                self._write_metrics(name, old, spec.gpu_host)
-                return _result(name, "up-to-date", final, old)
+        return TargetInputs(toolchain, serve_command, inputs)
 
+    def make_artifact(
+        self, ctx: BuildContext, name: str, spec: Target, staging: Path, inputs: TargetInputs
+    ) -> Manifest:
+        """Build, validate and benchmark the target into `staging`, and write its manifest there."""
         t0 = time.perf_counter()
         first_step = len(ctx.steps)
-        staging = self.layout.new_staging(name)
         try:
             ctx.reporter.step(name, "building")
             built = spec.build(ctx, name, staging)
             build_s = time.perf_counter() - t0
             files = file_entries(staging)
             validation = spec.validate(ctx, name, staging)
-            serving = benchmark(ctx, name, staging, validation, serve_command)
+            serving = benchmark(ctx, name, staging, validation, inputs.serve_command)
             manifest = Manifest(
                 schema=MANIFEST_SCHEMA,
                 recipe=self.loaded.recipe.name,
@@ -217,27 +256,41 @@ class Project:
                 quant=built.quant,
                 source=ctx.source.info,
                 files=files,
-                toolchain=toolchain,
+                toolchain=inputs.toolchain,
                 build=BuildInfo(
                     seconds=round(build_s, 2),
                     gpu_arch=built.gpu_arch,
                     profile=built.profile,
-                    inputs_sha256=inputs,
+                    inputs_sha256=inputs.sha256,
                     finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                    host=socket.gethostname(),
+                    node=ctx.node,
                     spec=spec.model_dump(exclude={"gates"}),
                     steps=[StepRecord(**vars(u)) for u in ctx.steps[first_step:]],
                 ),
                 validation=validation,
-                serve=ServeInfo(command=serve_command),
+                serve=ServeInfo(command=inputs.serve_command),
                 serving=serving,
                 gguf=built.gguf,
                 quantization=built.quantization,
                 trtllm=built.trtllm,
             )
             write_manifest(staging, manifest)
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise DiskFullError(f"{name}: no space left on device in {staging.parent}") from None
+            raise
+        return manifest
+
+    def record(self, name: str, spec: Target, staging: Path, manifest: Manifest) -> TargetResult:
+        """Keep a complete artifact directory (`staging`, with its manifest) as the target's next
+        version, publish it in the workspace unless it failed where a passing one is, register it
+        (the registry's one writer) and write its metrics. `staging` is moved or left to delete."""
+        final = self.layout.target_dir(name)
+        try:
             _, kept = keep_version(staging, self.layout.versions_dir(name))
             # a failed build is a version of its own but never displaces a passing one
-            replace = validation.status == STATUS_PASSED or not _passes(final)
+            replace = manifest.validation.status == STATUS_PASSED or not _passes(final)
             if replace:
                 publish(staging, final)
             self.registry.add_version(kept, current=final if replace else None)
@@ -247,8 +300,6 @@ class Project:
             if is_disk_full(exc):
                 raise DiskFullError(f"{name}: no space left on device in {self.layout.recipe_dir}") from None
             raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
         result = _result(name, "built", final if replace else kept, manifest)
         if not replace:
             result.message = (
@@ -317,4 +368,11 @@ def _result(name: str, outcome: str, path: Path, manifest: Manifest) -> TargetRe
         engines={engine: verdict.status for engine, verdict in v.engines.items()},
         message="; ".join(filter(None, [v.reason, *failed])) or None,
         metrics=v.metrics.model_dump() if v.metrics else {},
+        host=_where(manifest),
     )
+
+
+def _where(manifest: Manifest) -> str | None:
+    """`host`, or `host (node <id>)` for a cluster build."""
+    b = manifest.build
+    return f"{b.host} (node {b.node[:12]})" if b.host and b.node else b.host

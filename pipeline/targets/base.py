@@ -42,6 +42,7 @@ class BuildContext:
     layout: Layout
     reporter: Reporter = field(default_factory=NullReporter)
     threads: int = 0  # 0: let the engine decide
+    node: str | None = None  # the Ray node building, in a cluster build (pipeline.cluster)
     steps: list[StepUsage] = field(default_factory=list)  # every step run so far, in order
     _toolchains: dict[str, dict[str, Any]] = field(default_factory=dict)
     _reference: dict[str, Any] | None = None
@@ -191,6 +192,10 @@ class Target(TargetSpec, ABC):
                     f"{metric}; use {use} (pipeline.workers.scoring says what each measures)"
                 )
         return self
+
+    def build_gpu_arch(self) -> str | None:
+        """The GPU architecture the build is tied to (an engine runs only where it was built)."""
+        return None
 
     def unavailable(self, ctx: BuildContext, name: str) -> str | None:
         """Why this host cannot build the target (its engine or GPU is missing), or None."""

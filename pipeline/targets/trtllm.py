@@ -278,6 +278,9 @@ class TrtllmTarget(Target):
         gib = 2**30
         return {"weights_gib": weights / gib, "kv_cache_gib": kv / gib, "total_gib": (weights + kv) / gib}
 
+    def build_gpu_arch(self) -> str | None:
+        return self.gpu_arch
+
     def unavailable(self, ctx: BuildContext, name: str) -> str | None:
         """Why this host cannot build the engine (None when it can). A TensorRT-LLM of another
         release line is an error, not a host limitation."""

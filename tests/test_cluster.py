@@ -1,0 +1,175 @@
+"""`pipeline build --cluster` on real Ray clusters of this machine: a multi-node one
+(`ray.cluster_utils.Cluster`, nodes advertising different environments) and the in-process `local`
+one. Tiny-model GGUF targets; the builds are real, placement is by the resources nodes advertise."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipeline.cluster import (
+    INCOMING_DIRNAME,
+    RESOURCE_ENV,
+    RESOURCE_SLOT,
+    build_on_cluster,
+    node_resources,
+)
+from pipeline.constants import MANIFEST_NAME, STAGING_PREFIX
+from pipeline.project import Project
+from pipeline.registry import Registry
+from tests.conftest import REPO, read_json, write_recipe
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+GGUF = {"kind": "gguf", "quant": "F16", "gates": {"max_ppl_delta_pct": 0.1, "max_kld_mean": 0.001}}
+Q8 = {"kind": "gguf", "quant": "Q8_0", "gates": {"max_ppl_delta_pct": 5.0, "max_kld_mean": 0.05}}
+TRTLLM = {"kind": "trtllm", "quant": "fp16", "gpu_arch": "sm90",
+          "gates": {"max_ppl_delta_pct": 1.0, "max_kld_mean": 0.01}}  # fmt: skip
+CAN_GGUF = {RESOURCE_SLOT: 1, RESOURCE_ENV + "transformers": 1, RESOURCE_ENV + "llamacpp": 1}
+CPU_ONLY = {RESOURCE_SLOT: 1, RESOURCE_ENV + "transformers": 1}  # lacks llama.cpp's environment
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, dict[str, str]]]:
+    """A head node that builds nothing and three nodes: two that can build GGUF, one that cannot.
+    Each node's workspace is its own directory (PIPELINE_NODE_WORKSPACE is read per node id)."""
+    workspace = tmp_path_factory.mktemp("node-workspaces")
+    old = os.environ.get("PIPELINE_NODE_WORKSPACE")
+    os.environ["PIPELINE_NODE_WORKSPACE"] = str(workspace)  # the nodes' processes inherit it
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = {}
+    for label, resources in (("gguf-a", CAN_GGUF), ("cpu-only", CPU_ONLY), ("gguf-b", CAN_GGUF)):
+        node = c.add_node(num_cpus=1, resources=resources)
+        nodes[node.node_id] = label
+    c.wait_for_nodes()
+    yield c, nodes
+    c.shutdown()
+    if old is None:
+        os.environ.pop("PIPELINE_NODE_WORKSPACE", None)
+    else:
+        os.environ["PIPELINE_NODE_WORKSPACE"] = old
+
+
+def _recipe(recipe_dir: Path, **targets: dict) -> Path:
+    return write_recipe(recipe_dir / "tiny.yaml", targets=targets)
+
+
+def _no_leftovers(recipe_root: Path) -> None:
+    incoming = recipe_root / INCOMING_DIRNAME
+    assert not incoming.exists() or list(incoming.iterdir()) == []
+    assert not [p for p in recipe_root.iterdir() if p.name.startswith(STAGING_PREFIX)]
+
+
+def test_targets_land_on_nodes_that_advertise_their_environments(
+    cluster: tuple[Cluster, dict[str, str]], tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    c, nodes = cluster
+    recipe = _recipe(tiny_recipe_dir, **{"gguf-f16": GGUF, "gguf-q8_0": Q8, "trt-fp16": TRTLLM})
+    project = Project.open(recipe)
+    results = {r.target: r for r in build_on_cluster(project, c.address)}
+
+    trt = results["trt-fp16"]
+    assert trt.outcome == "unavailable" and trt.validation == "unavailable"
+    assert "no node advertises pipeline-env-modelopt, pipeline-env-trtllm, pipeline-gpu-sm90" in trt.message
+    root = _isolated_artifacts / "tiny"
+    for name in ("gguf-f16", "gguf-q8_0"):
+        r = results[name]
+        assert r.outcome == "built" and r.validation == "passed", r
+        manifest = read_json(root / name / MANIFEST_NAME)
+        assert nodes[manifest["build"]["node"]] in ("gguf-a", "gguf-b"), manifest["build"]  # never cpu-only
+        assert manifest["build"]["host"] and r.host and manifest["build"]["node"][:12] in r.host
+    registry = Registry(_isolated_artifacts)
+    assert registry.resolve("tiny", "llama.cpp", "F16")["status"] == "passed"
+    assert registry.verify("tiny/gguf-f16") == [] and registry.verify("tiny/gguf-q8_0") == []
+    assert (project.layout.reference_dir / "reference.json").is_file()  # the shared step, in the root
+    _no_leftovers(root)
+
+    # A plain build on the driver finds exactly what it would have built: the same inputs.
+    again = {r.target: r.outcome for r in project.build(["gguf-f16", "gguf-q8_0"])}
+    assert again == {"gguf-f16": "up-to-date", "gguf-q8_0": "up-to-date"}
+    # ... and so does the cluster, without building anything.
+    twice = {r.target: r.outcome for r in build_on_cluster(project, c.address, ["gguf-f16"])}
+    assert twice == {"gguf-f16": "up-to-date"}
+    assert [p.name for p in (root / ".versions" / "gguf-f16").iterdir()] == ["1"]
+
+
+def test_a_killed_build_task_is_retried_on_another_node_and_the_registry_loses_nothing(
+    cluster: tuple[Cluster, dict[str, str]], tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    c, nodes = cluster
+    recipe = _recipe(tiny_recipe_dir, **{"gguf-f16": GGUF})
+    build = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "build", str(recipe), "--cluster", c.address],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    incoming = _isolated_artifacts / "tiny" / INCOMING_DIRNAME
+    workspace = Path(os.environ["PIPELINE_NODE_WORKSPACE"])
+    killed = None
+    deadline = time.monotonic() + 240
+    while killed is None and time.monotonic() < deadline and build.poll() is None:
+        for marker in incoming.glob("gguf-f16--*.running") if incoming.is_dir() else []:
+            task = json.loads(marker.read_text())
+            staging = workspace / task["node"][:12] / "tiny"
+            if any(p.name.startswith(f"{STAGING_PREFIX}gguf-f16-") for p in staging.glob(".*")):
+                os.kill(task["pid"], signal.SIGKILL)  # mid-build: its staging directory exists
+                killed = task["node"]
+                break
+        time.sleep(0.2)
+    out, _ = build.communicate(timeout=600)
+    assert killed is not None, f"the task was never seen building:\n{out}"
+    assert build.returncode == 0, out
+    manifest = read_json(_isolated_artifacts / "tiny" / "gguf-f16" / MANIFEST_NAME)
+    assert manifest["build"]["node"] != killed and nodes[manifest["build"]["node"]] in ("gguf-a", "gguf-b")
+    assert manifest["validation"]["status"] == "passed"
+    registry = Registry(_isolated_artifacts)
+    assert [h["version"] for h in registry.history("tiny/gguf-f16")] == [1]  # the dead attempt: nothing
+    assert registry.verify("tiny/gguf-f16") == []
+    assert "built on" in out and manifest["build"]["node"][:12] in out
+    _no_leftovers(_isolated_artifacts / "tiny")
+
+
+def test_a_local_cluster_advertises_this_hosts_environments_and_builds(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path, tmp_path: Path
+) -> None:
+    resources = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "pipeline", "cluster", "resources", "--slots", "2"],
+            cwd=REPO, capture_output=True, text=True, check=True,
+        ).stdout
+    )  # fmt: skip
+    assert resources == node_resources(2) and resources[RESOURCE_SLOT] == 2
+    assert {RESOURCE_ENV + "llamacpp", RESOURCE_ENV + "transformers"} <= resources.keys()
+
+    recipe = _recipe(tiny_recipe_dir, **{"gguf-q8_0": Q8})
+    env = {**os.environ, "PIPELINE_NODE_WORKSPACE": str(tmp_path / "nodes"), "PIPELINE_CLUSTER": "local"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline", "build", str(recipe)],
+        cwd=REPO, capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    manifest = read_json(_isolated_artifacts / "tiny" / "gguf-q8_0" / MANIFEST_NAME)
+    assert manifest["build"]["node"] and manifest["validation"]["status"] == "passed"
+    assert [r.outcome for r in Project.open(recipe).build()] == ["up-to-date"]
+
+
+def test_an_unreachable_cluster_is_one_line_and_builds_nothing(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    recipe = _recipe(tiny_recipe_dir, **{"gguf-q8_0": Q8})
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline", "build", str(recipe), "--cluster", "127.0.0.1:9"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 5, done.stdout + done.stderr
+    assert "cannot join the Ray cluster at '127.0.0.1:9'" in done.stderr
+    assert not (_isolated_artifacts / "tiny" / "gguf-q8_0").exists()

@@ -173,3 +173,29 @@ def test_an_unreachable_cluster_is_one_line_and_builds_nothing(
     assert done.returncode == 5, done.stdout + done.stderr
     assert "cannot join the Ray cluster at '127.0.0.1:9'" in done.stderr
     assert not (_isolated_artifacts / "tiny" / "gguf-q8_0").exists()
+
+
+def test_dvc_repro_on_the_driver_builds_its_stage_through_the_cluster(
+    cluster: tuple[Cluster, dict[str, str]], tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    """DVC stays the front door: a stage's `pipeline build` reads PIPELINE_CLUSTER, the driver
+    writes dvc.lock over what the cluster built into its artifacts root."""
+    c, nodes = cluster
+    project_dir = _isolated_artifacts.parent
+    _recipe(tiny_recipe_dir, **{"gguf-q8_0": Q8})
+    stage = {
+        "cmd": f"{sys.executable} -m pipeline build recipes/tiny.yaml --targets gguf-q8_0",
+        "deps": ["recipes/tiny.yaml"],
+        "outs": [{"artifacts/tiny/gguf-q8_0": {"cache": False}}],
+    }
+    (project_dir / "dvc.yaml").write_text(json.dumps({"stages": {"build-tiny-gguf-q8_0": stage}}))
+    dvc = Path(sys.executable).with_name("dvc")
+    env = {**os.environ, "PIPELINE_CLUSTER": c.address, "PYTHONPATH": str(REPO)}
+    subprocess.run([dvc, "init", "--no-scm", "-q"], cwd=project_dir, check=True, env=env)
+    done = subprocess.run([dvc, "repro"], cwd=project_dir, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    manifest = read_json(_isolated_artifacts / "tiny" / "gguf-q8_0" / MANIFEST_NAME)
+    assert nodes[manifest["build"]["node"]] in ("gguf-a", "gguf-b")
+    assert "artifacts/tiny/gguf-q8_0" in (project_dir / "dvc.lock").read_text()
+    status = subprocess.run([dvc, "status"], cwd=project_dir, capture_output=True, text=True, env=env)
+    assert "up to date" in status.stdout, status.stdout

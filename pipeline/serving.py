@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.constants import ENGINE_VERSION_SOURCES, ENV_GUIDELLM, STATUS_PASSED
+from pipeline.constants import ENGINE_VERSION_SOURCES, ENGINE_VLLM, ENV_GUIDELLM, STATUS_PASSED, VLLM_CPU_ENV
 from pipeline.environments import environment_exists, interpreter
 from pipeline.errors import DiskFullError, EngineError
 from pipeline.manifest import ServingLevel, ServingResult, Validation
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 READY_TIMEOUT_S = 600  # a vLLM CPU server's first start compiles for minutes
 SERVED_ENGINES = ("llama.cpp", "vllm", "sglang")  # engines whose serve command is an OpenAI server
+SERVER_ENV = {ENGINE_VLLM: VLLM_CPU_ENV}  # the environment the validation's servers run with too
 
 
 def benchmark(
@@ -58,6 +59,7 @@ def benchmark(
                 "op": "benchmark",
                 "command": serve_command,
                 "python": interpreter(engine_env),
+                "server_env": SERVER_ENV.get(engine, {}),
                 "model_dir": str(artifact),
                 "tokenizer": str(tokenizer),
                 "workload": workload,

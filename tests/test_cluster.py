@@ -138,30 +138,6 @@ def test_a_killed_build_task_is_retried_on_another_node_and_the_registry_loses_n
     _no_leftovers(_isolated_artifacts / "tiny")
 
 
-def test_a_local_cluster_advertises_this_hosts_environments_and_builds(
-    tiny_recipe_dir: Path, _isolated_artifacts: Path, tmp_path: Path
-) -> None:
-    resources = json.loads(
-        subprocess.run(
-            [sys.executable, "-m", "pipeline", "cluster", "resources", "--slots", "2"],
-            cwd=REPO, capture_output=True, text=True, check=True,
-        ).stdout
-    )  # fmt: skip
-    assert resources == node_resources(2) and resources[RESOURCE_SLOT] == 2
-    assert {RESOURCE_ENV + "llamacpp", RESOURCE_ENV + "transformers"} <= resources.keys()
-
-    recipe = _recipe(tiny_recipe_dir, **{"gguf-q8_0": Q8})
-    env = {**os.environ, "PIPELINE_NODE_WORKSPACE": str(tmp_path / "nodes"), "PIPELINE_CLUSTER": "local"}
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline", "build", str(recipe)],
-        cwd=REPO, capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    manifest = read_json(_isolated_artifacts / "tiny" / "gguf-q8_0" / MANIFEST_NAME)
-    assert manifest["build"]["node"] and manifest["validation"]["status"] == "passed"
-    assert [r.outcome for r in Project.open(recipe).build()] == ["up-to-date"]
-
-
 def test_an_unreachable_cluster_is_one_line_and_builds_nothing(
     tiny_recipe_dir: Path, _isolated_artifacts: Path
 ) -> None:
@@ -175,14 +151,23 @@ def test_an_unreachable_cluster_is_one_line_and_builds_nothing(
     assert not (_isolated_artifacts / "tiny" / "gguf-q8_0").exists()
 
 
-def test_dvc_repro_on_the_driver_builds_its_stage_through_the_cluster(
-    cluster: tuple[Cluster, dict[str, str]], tiny_recipe_dir: Path, _isolated_artifacts: Path
+def test_dvc_repro_builds_its_stage_on_a_local_cluster_advertising_this_host(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path, tmp_path: Path
 ) -> None:
-    """DVC stays the front door: a stage's `pipeline build` reads PIPELINE_CLUSTER, the driver
-    writes dvc.lock over what the cluster built into its artifacts root."""
-    c, nodes = cluster
+    """DVC stays the front door: a stage's `pipeline build` reads PIPELINE_CLUSTER (here `local`: a
+    node started in that process with this host's resources); the driver writes dvc.lock over what
+    the cluster built into its artifacts root, and a plain build finds it up to date."""
+    resources = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "pipeline", "cluster", "resources", "--slots", "2"],
+            cwd=REPO, capture_output=True, text=True, check=True,
+        ).stdout
+    )  # fmt: skip
+    assert resources == node_resources(2) and resources[RESOURCE_SLOT] == 2
+    assert {RESOURCE_ENV + "llamacpp", RESOURCE_ENV + "transformers"} <= resources.keys()
+
     project_dir = _isolated_artifacts.parent
-    _recipe(tiny_recipe_dir, **{"gguf-q8_0": Q8})
+    recipe = _recipe(tiny_recipe_dir, **{"gguf-q8_0": Q8})
     stage = {
         "cmd": f"{sys.executable} -m pipeline build recipes/tiny.yaml --targets gguf-q8_0",
         "deps": ["recipes/tiny.yaml"],
@@ -190,12 +175,14 @@ def test_dvc_repro_on_the_driver_builds_its_stage_through_the_cluster(
     }
     (project_dir / "dvc.yaml").write_text(json.dumps({"stages": {"build-tiny-gguf-q8_0": stage}}))
     dvc = Path(sys.executable).with_name("dvc")
-    env = {**os.environ, "PIPELINE_CLUSTER": c.address, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PIPELINE_CLUSTER": "local", "PIPELINE_NODE_WORKSPACE": str(tmp_path / "nodes")}
     subprocess.run([dvc, "init", "--no-scm", "-q"], cwd=project_dir, check=True, env=env)
     done = subprocess.run([dvc, "repro"], cwd=project_dir, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     manifest = read_json(_isolated_artifacts / "tiny" / "gguf-q8_0" / MANIFEST_NAME)
-    assert nodes[manifest["build"]["node"]] in ("gguf-a", "gguf-b")
+    assert manifest["build"]["node"] and manifest["validation"]["status"] == "passed"
+    assert "built on" in done.stdout
     assert "artifacts/tiny/gguf-q8_0" in (project_dir / "dvc.lock").read_text()
     status = subprocess.run([dvc, "status"], cwd=project_dir, capture_output=True, text=True, env=env)
     assert "up to date" in status.stdout, status.stdout
+    assert [r.outcome for r in Project.open(recipe).build()] == ["up-to-date"]

@@ -80,9 +80,10 @@ def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
     argv = serve_argv(req["command"], req["model_dir"], port, python=req["python"])
     log = Path(req["server_log"])
     t0 = time.perf_counter()
+    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in req.get("server_env", {}).items()}}
     with log.open("wb") as sink:
         server = subprocess.Popen(
-            dying_with_parent(argv), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            dying_with_parent(argv), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
     try:
         model_id = _wait_ready(server, base, log, req["ready_timeout_s"])

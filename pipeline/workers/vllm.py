@@ -14,22 +14,19 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from pipeline.constants import VLLM_CPU_ENV
 from pipeline.workers.protocol import installed_versions, worker_main
 from pipeline.workers.scoring import WindowScorer, generation_record, generation_scores, windows
 from pipeline.workers.serving import TIE_TOP, post_json, serve_check
 
 TOP_K = 64  # vLLM returns this many of its own top logprobs per position, for KL divergence
-CPU_DEFAULTS = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default asks for most of the RAM
-    "VLLM_CPU_INT4_W4A8": "0",  # score true W4A16, not int8-activation kernels
-}
 
 
 def _cpu_env() -> dict[str, str]:
     """vllm-cpu's settings (a host without CUDA only), unless the caller set them."""
-    for key, value in CPU_DEFAULTS.items():
+    for key, value in VLLM_CPU_ENV.items():
         os.environ.setdefault(key, value)
-    return {k: os.environ[k] for k in CPU_DEFAULTS}
+    return {k: os.environ[k] for k in VLLM_CPU_ENV}
 
 
 # The oldest vLLM whose interfaces this worker uses: `return_token_ids` in OpenAI completions and

@@ -179,7 +179,10 @@ class Project:
             for path in (self.layout.metrics_path(target), self.layout.metrics_path(target, gpu_host=True)):
                 if path.is_file():
                     rows.append({"target": target, **json.loads(path.read_text())})
-        write_json_atomic(self.layout.report_path, rows)
+        # DVC's plot loader fails on the serving keys ("argument of type 'NoneType' is not
+        # iterable", dvc 3.x): the scatter's file keeps the per-artifact columns only.
+        plotted = [{k: v for k, v in row.items() if not k.startswith("serving_")} for row in rows]
+        write_json_atomic(self.layout.report_path, plotted)
         return rows
 
     def _build_target(self, ctx: BuildContext, name: str, spec: Target, force: bool) -> TargetResult:

@@ -30,10 +30,16 @@ LOOSE = {"max_ppl_delta_pct": 1000.0, "max_kld_topk_mean": 10.0}  # random weigh
 AWQ = {"kind": "awq", "group_size": 32, "dtype": "bfloat16", "n_grid": 3, "gates": LOOSE}
 
 
+# The tiny model knows 2048 positions (vLLM refuses the default 4096); on a CPU host vLLM reserves
+# gpu_memory_utilization of the node's RAM, and eager mode spares the compile warm-up.
+TINY_SERVE = {"vllm": {"max_model_len": 1024, "gpu_memory_utilization": 0.5, "enforce_eager": True}}
+
+
 def _recipe(tiny_recipe_dir: Path) -> Path:
     return write_recipe(
         tiny_recipe_dir / "tiny.yaml",
         calibration={"dataset": "builtin:gpl-3.0", "samples": 2, "seq_len": 64},
+        serve=TINY_SERVE,
         targets={"awq": AWQ},
     )
 

@@ -182,8 +182,8 @@ def test_step_usage_is_recorded_for_a_step_and_a_failed_one(tmp_path: Path) -> N
         ("transformers", "nope", "ref"),
     ]
     assert all(u.seconds > 0 for u in seen)
-    # the failed step ends within ~0.1 s, maybe before the first sample: only the other's RSS is sure
-    assert seen[0].peak_rss_mib > 5
+    # a step can end within ~0.1 s, at its first sample (seen: 2.4 MiB of a python just started)
+    assert seen[0].peak_rss_mib > 0
 
 
 def test_group_rss_counts_every_process_of_the_group() -> None:

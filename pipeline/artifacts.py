@@ -158,12 +158,18 @@ def sweep_leftovers(layout: Layout) -> list[Path]:
             match = _LEFTOVER.match(path.name)
             if match is None or _running(int(match.group(1))):
                 continue
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)  # read-only files go too: the dir is writable
-            else:
-                path.unlink(missing_ok=True)
+            remove_path(path)
             removed.append(path)
     return removed
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file, link or directory tree if it is there (a directory's read-only files go too:
+    the directory is writable)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _running(pid: int) -> bool:

@@ -21,7 +21,6 @@ dead task left in `.incoming/` is deleted by the driver; nothing half-copied is 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pipeline.artifacts import build_lock, read_key, sweep_leftovers, verify_files
+from pipeline.artifacts import build_lock, cached_step, read_key, remove_path, sweep_leftovers, verify_files
 from pipeline.constants import ENV_GUIDELLM, ENV_TRANSFORMERS, STATUS_UNAVAILABLE
 from pipeline.environments import ENVIRONMENTS
 from pipeline.errors import BuildError, EngineError, PipelineError
@@ -150,7 +149,11 @@ def connect(address: str) -> None:
 
 @dataclass
 class _Attempt:
+    """One submission of a target's task; a retry is the next number with a new token."""
+
     name: str
+    need: dict[str, float]  # the resources its node must advertise
+    inputs: str | None  # the inputs hash of the driver's current artifact (None: build anyway)
     number: int
     token: str
     submitted: float
@@ -182,10 +185,7 @@ class ClusterBuild:
                 if any(n.can_build(need) for n in nodes):
                     runnable[name] = (spec, need)
                 else:
-                    results[name] = TargetResult(
-                        name, STATUS_UNAVAILABLE, self.project.layout.target_dir(name),
-                        validation=STATUS_UNAVAILABLE, message=why_no_node(need, nodes),
-                    )  # fmt: skip
+                    results[name] = self._unavailable(name, why_no_node(need, nodes))
             if runnable:
                 self._prepare_shared_steps()
                 results |= self._build_all(runnable, force)
@@ -196,7 +196,7 @@ class ClusterBuild:
         if self.incoming.is_dir():
             for path in self.incoming.iterdir():
                 if path.name.split("--")[0] in specs:
-                    _remove(path)
+                    remove_path(path)
 
     def _prepare_shared_steps(self) -> None:
         """Source record and reference, once, into the shared root, on a node with transformers."""
@@ -217,15 +217,15 @@ class ClusterBuild:
     ) -> dict[str, TargetResult]:
         results: dict[str, TargetResult] = {}
         pending: dict[Any, _Attempt] = {}
-        for name in runnable:
+        for name, (_, need) in runnable.items():
             previous = None if force else self.project.current_manifest(name)
             inputs = previous.build.inputs_sha256 if previous else None
-            attempt = _Attempt(name, 1, uuid.uuid4().hex[:12], time.perf_counter())
-            pending[self._submit(attempt, runnable[name][1], inputs, force)] = attempt
+            attempt = _Attempt(name, need, inputs, 1, uuid.uuid4().hex[:12], time.perf_counter())
+            pending[self._submit(attempt, force)] = attempt
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
             if not ready:
-                self._give_up_on_orphans(pending, runnable, results)
+                self._give_up_on_orphans(pending, results)
                 continue
             ref = ready[0]
             attempt = pending.pop(ref)
@@ -245,44 +245,36 @@ class ClusterBuild:
                     results[name] = self._error(attempt, EngineError(message))
                     continue
                 self.reporter.step(name, f"task died on node {node[:12] if node else '?'}; trying again")
-                retry = _Attempt(name, attempt.number + 1, uuid.uuid4().hex[:12], attempt.submitted,
-                                 attempt.failed_nodes)  # fmt: skip
-                previous = None if force else self.project.current_manifest(name)
-                inputs = previous.build.inputs_sha256 if previous else None
-                pending[self._submit(retry, runnable[name][1], inputs, force)] = retry
+                retry = replace(attempt, number=attempt.number + 1, token=uuid.uuid4().hex[:12])
+                pending[self._submit(retry, force)] = retry
                 continue
             results[name] = self._record(attempt, runnable[name][0], out)
         return results
 
-    def _submit(self, attempt: _Attempt, need: dict[str, float], inputs: str | None, force: bool) -> Any:
+    def _submit(self, attempt: _Attempt, force: bool) -> Any:
         """Start one attempt; a retry goes to an eligible node that has not failed it, if any."""
-        options: dict[str, Any] = {"resources": need, "num_cpus": 0, "max_retries": 0,
+        options: dict[str, Any] = {"resources": attempt.need, "num_cpus": 0, "max_retries": 0,
                                    "name": f"pipeline-build-{attempt.name}"}  # fmt: skip
-        others = [n for n in live_nodes() if n.can_build(need) and n.node_id not in attempt.failed_nodes]
+        others = [
+            n for n in live_nodes() if n.can_build(attempt.need) and n.node_id not in attempt.failed_nodes
+        ]
         if attempt.failed_nodes and others:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(others[0].node_id, soft=True)
         self.reporter.step(attempt.name, f"submitted to the cluster (attempt {attempt.number})")
         return ray.remote(_build_task).options(**options).remote(
-            str(self.project.loaded.path), str(self.project.layout.root), attempt.name, inputs, force,
+            str(self.project.loaded.path), str(self.project.layout.root), attempt.name, attempt.inputs, force,
             f"{attempt.name}--{attempt.token}", self.threads,
         )  # fmt: skip
 
-    def _give_up_on_orphans(
-        self, pending: dict[Any, _Attempt], runnable: dict[str, tuple[Target, dict[str, float]]],
-        results: dict[str, TargetResult],
-    ) -> None:  # fmt: skip
+    def _give_up_on_orphans(self, pending: dict[Any, _Attempt], results: dict[str, TargetResult]) -> None:
         """Cancel waiting tasks that no live node can take any more (their nodes left)."""
         nodes = live_nodes()
         for ref, attempt in list(pending.items()):
-            need = runnable[attempt.name][1]
-            if not any(n.can_build(need) for n in nodes) and not self._attempt_node(attempt):
+            if not any(n.can_build(attempt.need) for n in nodes) and not self._attempt_node(attempt):
                 ray.cancel(ref, force=True)
                 del pending[ref]
-                results[attempt.name] = TargetResult(
-                    attempt.name, STATUS_UNAVAILABLE, self.project.layout.target_dir(attempt.name),
-                    validation=STATUS_UNAVAILABLE, message=why_no_node(need, nodes),
-                    seconds=time.perf_counter() - attempt.submitted,
-                )  # fmt: skip
+                why = why_no_node(attempt.need, nodes)
+                results[attempt.name] = self._unavailable(attempt.name, why, attempt.submitted)
 
     def _attempt_node(self, attempt: _Attempt) -> str | None:
         """The node an attempt started on (its marker), None before it started."""
@@ -294,7 +286,14 @@ class ClusterBuild:
 
     def _clean(self, attempt: _Attempt) -> None:
         for path in self.incoming.glob(f"{attempt.name}--{attempt.token}*"):
-            _remove(path)
+            remove_path(path)
+
+    def _unavailable(self, name: str, why: str, submitted: float | None = None) -> TargetResult:
+        seconds = time.perf_counter() - submitted if submitted is not None else 0.0
+        return TargetResult(
+            name, STATUS_UNAVAILABLE, self.project.layout.target_dir(name), validation=STATUS_UNAVAILABLE,
+            message=why, seconds=seconds,
+        )  # fmt: skip
 
     def _error(self, attempt: _Attempt, exc: PipelineError) -> TargetResult:
         self._clean(attempt)
@@ -306,17 +305,13 @@ class ClusterBuild:
     def _record(self, attempt: _Attempt, spec: Target, out: dict[str, Any]) -> TargetResult:
         """What a task returned: its artifact checked and recorded, or its outcome as it is."""
         name = attempt.name
-        layout = self.project.layout
         seconds = time.perf_counter() - attempt.submitted
         try:
             if out["outcome"] == "error":
                 return self._error(attempt, _error_of(out))
             if out["outcome"] == STATUS_UNAVAILABLE:
                 self._clean(attempt)
-                return TargetResult(
-                    name, STATUS_UNAVAILABLE, layout.target_dir(name), validation=STATUS_UNAVAILABLE,
-                    message=out["message"], seconds=seconds,
-                )  # fmt: skip
+                return self._unavailable(name, out["message"], attempt.submitted)
             if out["outcome"] == "up-to-date":
                 self._clean(attempt)
                 result = self.project.up_to_date(name, spec)
@@ -411,38 +406,21 @@ def _build_task(
 def _copy_complete(src: Path, dst: Path) -> None:
     """Copy a directory to `dst` under a temporary name, renamed into place once complete."""
     tmp = dst.with_name(f"{dst.name}.tmp")
-    _remove(tmp)
+    remove_path(tmp)
     try:
         shutil.copytree(src, tmp)
         tmp.rename(dst)
     except BaseException:
-        _remove(tmp)
+        remove_path(tmp)
         raise
 
 
 def _seed(shared_dir: Path, local_dir: Path, lock: Path) -> None:
     """Copy a cached step's directory (the reference) from the shared root into this node's
-    workspace, unless it already holds the same one; the step's own key decides reuse later."""
+    workspace as the same cached step (its key), unless the workspace already holds that one."""
     key = read_key(shared_dir)
-    if key is None:
-        return
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        if read_key(local_dir) == key:
-            return
-        tmp = local_dir.with_name(f"{local_dir.name}.tmp-{os.getpid()}")
-        _remove(tmp)
-        shutil.copytree(shared_dir, tmp)
-        _remove(local_dir)
-        tmp.rename(local_dir)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    if key is not None:
+        cached_step(local_dir, key, lambda tmp: shutil.copytree(shared_dir, tmp, dirs_exist_ok=True), lock)
 
 
 def _first_line(exc: BaseException) -> str:

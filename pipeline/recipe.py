@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pipeline.constants import BUILTIN_TEXTS, KNOWN_HUB_CONFIGS, PACKAGED_SOURCE_CONFIGS
 from pipeline.errors import RecipeError
+from pipeline.texts import HF_PREFIX, dataset_text, parse_hf_ref
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -56,14 +57,18 @@ class SourceSpec(Strict):
 def _check_text_ref(value: str) -> str:
     if value.startswith("builtin:") and value.removeprefix("builtin:") not in BUILTIN_TEXTS:
         raise ValueError(f"unknown builtin text {value!r} (known: {', '.join(BUILTIN_TEXTS)})")
+    if value.startswith(HF_PREFIX):
+        parse_hf_ref(value)
     return value
 
 
 class CalibrationSpec(Strict):
-    """Calibration text for quantizers (imatrix, AWQ, GPTQ): a local .txt/.jsonl or `builtin:<name>`.
+    """Calibration text for quantizers (imatrix, AWQ, GPTQ): a local .txt/.jsonl, `builtin:<name>`
+    or a Hub dataset at a pinned commit (pipeline.texts).
 
     ```yaml
     calibration: {dataset: builtin:gpl-3.0, samples: 64, seq_len: 256, seed: 0}
+    calibration: {dataset: "hf:NeelNanda/pile-10k@<40-hex>:default/train:text", samples: 128}
     ```
     """
 
@@ -76,10 +81,12 @@ class CalibrationSpec(Strict):
 
 
 class EvaluationSpec(Strict):
-    """The fixed text that perplexity and KL divergence are measured on (never the calibration text).
+    """The fixed text that perplexity and KL divergence are measured on (never the calibration text),
+    in the forms calibration.dataset takes.
 
     ```yaml
     evaluation: {text: builtin:apache-2.0, tokens: 1024, ctx: 512}
+    evaluation: {text: "hf:Salesforce/wikitext@<40-hex>:wikitext-2-raw-v1/test", tokens: 32768}
     ```
     """
 
@@ -292,9 +299,13 @@ class LoadedRecipe(BaseModel):
         return path if path.is_absolute() else (self.path.parent / path).resolve()
 
     def text_path(self, ref: str) -> Path:
-        """A text reference (`builtin:<name>` or a file) as a file path."""
+        """A text reference as a file path (a dataset reference is fetched on first use)."""
         if ref.startswith("builtin:"):
             return Path(__file__).parent / "data" / BUILTIN_TEXTS[ref.removeprefix("builtin:")]
+        if ref.startswith(HF_PREFIX):
+            from pipeline.source import cache_root  # source imports this module
+
+            return dataset_text(parse_hf_ref(ref), cache_root())
         return self.resolve_path(ref)
 
 
@@ -375,6 +386,8 @@ def _file_problems(loaded: LoadedRecipe) -> list[str]:
         refs.append(("calibration.dataset", r.calibration.dataset))
     problems = []
     for key, ref in refs:
+        if ref.startswith(HF_PREFIX):
+            continue  # fetched when the build first reads it
         text = loaded.text_path(ref)
         if not text.is_file():
             problems.append(f"{key}: file {ref!r} not found")

@@ -16,7 +16,7 @@ compile() {  # OUT INPUT... [-- uv options]
 }
 compile envs/uv.lock envs/uv.txt
 compile envs/core.lock pyproject.toml envs/core.txt \
-  --extra reference --extra llamacpp-server --extra dvc --extra report --extra cluster --extra dev
+  --extra reference --extra llamacpp-server --extra dvc --extra report --extra cluster --extra datasets --extra dev
 compile envs/testdata.lock envs/testdata.txt --no-deps
 compile envs/llmcompressor.lock envs/llmcompressor.txt
 compile envs/modelopt.lock envs/modelopt.txt

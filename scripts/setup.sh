@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create the project environments (idempotent), each from its hashed lock file (envs/*.lock, made
 # by `make lock` = scripts/lock.sh): `.venv` (the core: CPU torch, transformers, DVC, plus a portable
-# llama-cpp-python built from its sdist and that sdist's converter + gguf-py) and `.envs/<name>`
+# llama-cpp-python built from its sdist, and that sdist's converter, gguf-py, llama-imatrix and
+# llama-perplexity) and `.envs/<name>`
 # for every tool that pins its own torch/transformers. uv (pinned, envs/uv.lock) installs them
 # concurrently while llama-cpp-python compiles.
 #
@@ -78,6 +79,30 @@ if [ -z "$WHEEL" ]; then
   WHEEL=$(ls "$WHEEL_DIR"/llama_cpp_python-*.whl | head -n1)
 fi
 
+# 2b. llama.cpp's own tools from the same sdist and flags (static, so they need no library path):
+#     llama-imatrix (importance matrix) and llama-perplexity (PPL, KL divergence to an F16 base).
+#     Built once per (version, flags) into the cache; about 5 minutes on 2 cores.
+TOP="llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION"
+TOOLS=(llama-imatrix llama-perplexity)
+TOOLS_DIR="$CACHE/tools/llama.cpp-$LLAMA_CPP_PYTHON_VERSION-$BUILD_TAG"
+if [ ! -f "$TOOLS_DIR/.complete" ]; then
+  log "building ${TOOLS[*]} from the sdist's llama.cpp"
+  SRC="$CACHE/tools/src.tmp"
+  rm -rf "$SRC" "$TOOLS_DIR" && mkdir -p "$SRC"
+  tar -xzf "$SDIST" -C "$SRC" --strip-components=3 "$TOP/vendor/llama.cpp"
+  # shellcheck disable=SC2086  # CMAKE_FLAGS is a list of flags
+  cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF $CMAKE_FLAGS \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_OPENSSL=OFF >"$CACHE/tools/cmake.log" 2>&1 \
+    || { log "cmake configure failed: see $CACHE/tools/cmake.log"; exit 1; }
+  cmake --build "$SRC/build" --target "${TOOLS[@]}" -j "$(nproc)" >>"$CACHE/tools/cmake.log" 2>&1 \
+    || { log "building ${TOOLS[*]} failed: see $CACHE/tools/cmake.log"; exit 1; }
+  mkdir -p "$TOOLS_DIR"
+  for tool in "${TOOLS[@]}"; do cp "$SRC/build/bin/$tool" "$TOOLS_DIR/"; done
+  touch "$TOOLS_DIR/.complete"
+  rm -rf "$SRC"
+fi
+
 failed=()
 for name in "${!JOBS[@]}"; do
   wait "${JOBS[$name]}" || failed+=("$name (see .envs/$name.setup.log)")
@@ -89,7 +114,7 @@ SHARE="$VENV/share/pipeline/llama.cpp"
 if [ ! -f "$SHARE/BUILD.json" ] || ! grep -q "\"$LLAMA_CPP_PYTHON_VERSION\"" "$SHARE/BUILD.json"; then
   log "extracting convert_hf_to_gguf.py and gguf-py from the sdist"
   rm -rf "$SHARE" && mkdir -p "$SHARE"
-  top="llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION"
+  top=$TOP
   tar -xzf "$SDIST" -C "$SHARE" --strip-components=3 \
     "$top/vendor/llama.cpp/convert_hf_to_gguf.py" "$top/vendor/llama.cpp/conversion" \
     "$top/vendor/llama.cpp/gguf-py" "$top/vendor/llama.cpp/LICENSE"
@@ -104,6 +129,8 @@ json.dump({"llama_cpp_python": version, "llama_cpp_commit": commit, "sdist_sha25
            "cmake_args": flags}, open(path, "w"), indent=2)
 PYEOF
 fi
+
+mkdir -p "$SHARE/bin" && cp "$TOOLS_DIR/"llama-* "$SHARE/bin/"
 
 # 4. What a lock cannot hold, into .venv by path without dependencies (theirs are in envs/core.txt):
 #    the wheel built above, the sdist's gguf-py and the project itself (editable). A re-sync of a

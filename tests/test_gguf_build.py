@@ -87,13 +87,27 @@ def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_art
     assert placement == {"gpu_offload": False, "n_gpu_layers": 0, "threads": 2}
     assert f16["validation"]["reference"]["dtype"] == "float32"  # a tiny model fits: the exact one
     ops = [(s["env"], s["op"]) for s in f16["build"]["steps"]]
-    assert ("llamacpp", "convert") in ops and ops[-1] == ("llamacpp", "validate"), ops
-    assert all(s["seconds"] > 0 and s["peak_rss_mib"] > 10 for s in f16["build"]["steps"])
+    assert ("llamacpp", "convert") in ops and ops[-3:] == [
+        ("llamacpp", "validate"),
+        ("llamacpp", "kld_base"),
+        ("llamacpp", "kld"),
+    ], ops
+    # a step shorter than the RSS sampler's period may be sampled only as it starts (kld: 0.3 s)
+    assert all(s["seconds"] > 0 and s["peak_rss_mib"] > 0 for s in f16["build"]["steps"])
+    assert all(s["peak_rss_mib"] > 10 for s in f16["build"]["steps"] if s["seconds"] > 2)
+    # llama-perplexity against the F16 GGUF: the F16 artifact is that file
+    by_llama = verdict["details"]["llama_perplexity"]
+    assert by_llama["tool"] == "llama-perplexity" and by_llama["kld_mean"] == pytest.approx(0, abs=1e-4)
+    assert by_llama["chunks"] == 2 and by_llama["tokens_scored"] == 2 * 63  # tokens 256, ctx 128
 
     q4 = read_json(root / "gguf-q4_0" / MANIFEST_NAME)
-    assert set(q4["toolchain"]) == {"llamacpp", "transformers"}  # imatrix: transformers hooks
+    assert set(q4["toolchain"]) == {"llamacpp"}  # imatrix: llama-imatrix, in the llama.cpp environment
     assert q4["gguf"]["tensor_types"].get("Q4_0", 0) > 0
-    assert q4["gguf"]["imatrix"]["tensors"] > 0 and q4["gguf"]["imatrix"]["dataset"] == "builtin:gpl-3.0"
+    imatrix = q4["gguf"]["imatrix"]
+    assert imatrix["tool"] == "llama-imatrix" and imatrix["chunks"] == 4
+    assert imatrix["tensors"] > 0 and imatrix["dataset"] == "builtin:gpl-3.0"
+    q4_llama = q4["validation"]["engines"]["llama.cpp"]["details"]["llama_perplexity"]
+    assert q4_llama["kld_mean"] > by_llama["kld_mean"] and q4_llama["ppl_base"] == by_llama["ppl_base"]
     assert _no_staging(_isolated_artifacts)
 
     again = build_recipe(recipe, threads=2)

@@ -27,7 +27,8 @@ from pipeline.validation import reference_record, verdict
 from pipeline.workers.calibration import SELECTION_VERSION
 
 BASE_FILE = "base.gguf"
-IMATRIX_FILE = "imatrix.npz"
+IMATRIX_FILES = {"llama-imatrix": "imatrix.gguf", "transformers": "imatrix.npz"}
+KLD_BASE_FILE = "kld-base.bin"
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -45,11 +46,17 @@ class GgufTarget(Target):
     gguf-iq4_xs: {kind: gguf, quant: IQ4_XS, imatrix: true,
                   gates: {max_ppl_delta_pct: 15, max_kld_mean: 0.15}}
     ```
+
+    `imatrix_tool`: llama.cpp's `llama-imatrix` on the F16 GGUF, or the project's transformers hooks
+    on the source checkpoint (benchmarks/bench_quantizers.py compares them). Validation scores the
+    file twice: against the transformers reference (the gated metrics) and with llama-perplexity
+    against the F16 GGUF (`validation.engines.llama.cpp.details.llama_perplexity`).
     """
 
     kind: Literal["gguf"]
     quant: str
     imatrix: bool = False
+    imatrix_tool: Literal["llama-imatrix", "transformers"] = "llama-imatrix"
 
     engine: ClassVar[str] = ENGINE_LLAMACPP
     format: ClassVar[str] = "gguf"
@@ -73,8 +80,9 @@ class GgufTarget(Target):
         return self.imatrix
 
     def recorded_environments(self) -> tuple[str, ...]:
-        # the importance matrix is computed in the transformers environment
-        return (*self.environments, ENV_TRANSFORMERS) if self.imatrix else self.environments
+        if self.imatrix and self.imatrix_tool == "transformers":
+            return (*self.environments, ENV_TRANSFORMERS)
+        return self.environments
 
     def build(self, ctx: BuildContext, name: str, out: Path) -> BuildOutput:
         step, arg = GGUF_QUANTS[self.quant]
@@ -127,38 +135,45 @@ class GgufTarget(Target):
             "seed": cal.seed,
         }
 
+        env = ENV_LLAMACPP if self.imatrix_tool == "llama-imatrix" else ENV_TRANSFORMERS
+        file = IMATRIX_FILES[self.imatrix_tool]
+
         def compute(tmp: Path) -> None:
-            ctx.reporter.step(name, "computing importance matrix")
-            inspected = ctx.step(ENV_LLAMACPP, {"op": "inspect", "path": str(base)}, name)
-            result = ctx.step(
-                ENV_TRANSFORMERS,
-                {
-                    "op": "imatrix",
+            ctx.reporter.step(name, f"computing importance matrix ({self.imatrix_tool})")
+            request: dict[str, Any] = {
+                "op": "imatrix",
+                "text_path": str(text),
+                "samples": cal.samples,
+                "seq_len": cal.seq_len,
+                "seed": cal.seed,
+                "out_path": str(tmp / file),
+            }
+            if self.imatrix_tool == "llama-imatrix":
+                request |= {"base_path": str(base), "threads": ctx.threads}
+            else:
+                inspected = ctx.step(ENV_LLAMACPP, {"op": "inspect", "path": str(base)}, name)
+                request |= {
                     "model_dir": str(ctx.source.path),
                     "trust_remote_code": ctx.loaded.recipe.source.trust_remote_code,
-                    "text_path": str(text),
-                    "samples": cal.samples,
-                    "seq_len": cal.seq_len,
-                    "seed": cal.seed,
                     "gguf_arch": inspected["architecture"],
                     "gguf_tensors": inspected["rows"],
-                    "out_path": str(tmp / IMATRIX_FILE),
-                },
-                name,
-            )
-            (tmp / "imatrix.json").write_text(json.dumps(result))
+                }
+            result = ctx.step(env, request, name)
+            (tmp / "imatrix.json").write_text(json.dumps({**result, "toolchain": ctx.versions(env)}))
 
         inputs = {
             **record,
+            "tool": self.imatrix_tool,
             "base": read_key(base.parent),  # the F16 base's own inputs (not a hash of its 15 GB at 7B)
-            "toolchain": ctx.versions(ENV_TRANSFORMERS),
+            "toolchain": ctx.versions(env),
             "selection": SELECTION_VERSION,
         }
-        path = ctx.cached("imatrix", inputs, compute)
+        path = ctx.cached(f"imatrix-{self.imatrix_tool}", inputs, compute)
         meta = json.loads((path / "imatrix.json").read_text())
-        return path / IMATRIX_FILE, {
+        return path / file, {
             **record,
-            "sha256": file_sha256(path / IMATRIX_FILE),
+            "tool": self.imatrix_tool,
+            "sha256": file_sha256(path / file),
             "tensors": meta["tensors"],
             "chunks": meta["chunks"],
             "tokens": meta["tokens"],
@@ -183,13 +198,70 @@ class GgufTarget(Target):
             name,
         )
         extra = {"load_s": got["load_s"], "tokenizer_prefix_match": got["tokenizer_prefix_match"]}
-        result = verdict(ctx, ENGINE_LLAMACPP, got, ref, self.gates, extra, placement=got["placement"])
+        result = verdict(
+            ctx,
+            ENGINE_LLAMACPP,
+            got,
+            ref,
+            self.gates,
+            extra,
+            placement=got["placement"],
+            metrics_tool="llama-cpp-python's logits against the transformers reference",
+            llama_perplexity=self._llama_perplexity(ctx, name, artifact),
+        )
         if got["eos_token_id"] not in ref["eos_token_ids"]:
             result.status = "failed"
             result.reason = (
                 f"GGUF eos token {got['eos_token_id']} is not the reference's {ref['eos_token_ids']}"
             )
         return Validation.of(ENGINE_LLAMACPP, {ENGINE_LLAMACPP: result}, reference_record(ref))
+
+    def _llama_perplexity(self, ctx: BuildContext, name: str, artifact: Path) -> dict[str, Any]:
+        """llama-perplexity's PPL and KL divergence of the artifact against the F16 GGUF, over the
+        evaluation text (evaluation.tokens // evaluation.ctx chunks; llama.cpp scores the second
+        half of each). The F16 run's log-probabilities are computed once per base and text."""
+        ev = ctx.loaded.recipe.evaluation
+        base = self._base(ctx, name)
+        text = ctx.loaded.text_path(ev.text)
+        chunks = max(1, ev.tokens // ev.ctx)
+
+        def compute(tmp: Path) -> None:
+            ctx.reporter.step(name, "llama-perplexity on the F16 GGUF (KL divergence base)")
+            request = {
+                "op": "kld_base",
+                "gguf_path": str(base),
+                "text_path": str(text),
+                "ctx": ev.ctx,
+                "chunks": chunks,
+                "threads": ctx.threads,
+                "out_path": str(tmp / KLD_BASE_FILE),
+            }
+            (tmp / "kld-base.json").write_text(json.dumps(ctx.step(ENV_LLAMACPP, request, name)))
+
+        inputs = {
+            "base": read_key(base.parent),
+            "eval_text": file_sha256(text),
+            "ctx": ev.ctx,
+            "chunks": chunks,
+            "toolchain": ctx.versions(ENV_LLAMACPP),
+        }
+        kld_base = ctx.cached(f"gguf-kld-base-{GGUF_BASE_OUTTYPE}", inputs, compute)
+        ctx.reporter.step(name, "llama-perplexity --kl-divergence against the F16 GGUF")
+        request = {
+            "op": "kld",
+            "gguf_path": str(artifact / GGUF_FILE),
+            "kld_base_path": str(kld_base / KLD_BASE_FILE),
+            "ctx": ev.ctx,
+            "threads": ctx.threads,
+        }
+        scores = ctx.step(ENV_LLAMACPP, request, name)
+        return {
+            "tool": "llama-perplexity",
+            "base": f"{GGUF_BASE_OUTTYPE} GGUF of the source",
+            "ctx": ev.ctx,
+            "tokens_scored": (scores["chunks"] or chunks) * (ev.ctx - 1 - ev.ctx // 2),
+            **scores,
+        }
 
     def serve_command(self, serve: ServeSpec) -> str:
         knobs = serve.llamacpp

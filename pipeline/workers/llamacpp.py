@@ -1,9 +1,9 @@
 """Worker for the `llamacpp` environment: convert, quantize, inspect and validate GGUF files.
 
 Runs only as `python -m pipeline.workers.llamacpp REQUEST RESULT` (see pipeline.environments). The
-converter and gguf-py come from the llama-cpp-python sdist of the installed runtime (placed in
-`<env prefix>/share/pipeline/llama.cpp` by scripts/setup.sh), so one llama.cpp commit converts,
-quantizes and serves.
+converter, gguf-py, llama-imatrix and llama-perplexity come from the llama-cpp-python sdist of the
+installed runtime (placed in `<env prefix>/share/pipeline/llama.cpp` by scripts/setup.sh), so one
+llama.cpp commit converts, computes the importance matrix, quantizes, scores and serves.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.constants import GGUF_QUANTS
+from pipeline.workers.calibration import calibration_chunks, read_text
 from pipeline.workers.protocol import installed_versions, worker_main
 from pipeline.workers.scoring import (
     WindowScorer,
@@ -34,6 +36,14 @@ def llama_cpp_dir() -> Path:
     """The converter directory that belongs to this environment's llama-cpp-python."""
     override = os.environ.get("PIPELINE_LLAMA_CPP_DIR")
     return Path(override) if override else Path(sys.prefix) / "share" / "pipeline" / "llama.cpp"
+
+
+def tool(name: str) -> Path:
+    """One of llama.cpp's own tools, built from this runtime's sdist by scripts/setup.sh."""
+    path = llama_cpp_dir() / "bin" / name
+    if not os.access(path, os.X_OK):
+        raise FileNotFoundError(f"{path} missing: run scripts/setup.sh to build llama.cpp's tools")
+    return path
 
 
 def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
@@ -64,6 +74,10 @@ def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
     }
     for dist in ("torch", "transformers"):  # the converter reads checkpoints with these
         toolchain[dist] = found.get(dist)
+    for name in TOOLS:
+        path = llama_cpp_dir() / "bin" / name
+        digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+        toolchain[f"{name}-sha256"] = digest
     _ = gguf  # imported to prove the vendored gguf-py is importable here
     return {
         "toolchain": toolchain,
@@ -105,6 +119,163 @@ def _converter_error(stderr: str) -> str:
     return lines[-1] if lines else "no output"
 
 
+TOOLS = ("llama-imatrix", "llama-perplexity")
+
+
+def _run_tool(cmd: list[str], what: str) -> str:
+    """Run a llama.cpp tool, its output into this step's log; RuntimeError with its last error line."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    out = proc.stdout + proc.stderr
+    sys.stdout.write(f"$ {' '.join(cmd)}\n{out}\n[{time.perf_counter() - t0:.1f} s]\n")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} exited with code {proc.returncode}: {_tool_error(out)}")
+    return out
+
+
+def _tool_error(out: str) -> str:
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "error" in ln.lower() or "failed" in ln.lower():
+            return ln
+    return lines[-1] if lines else "no output"
+
+
+def _plain_text(path: str, tmp: Path) -> Path:
+    """The tools read plain text: a .jsonl's `text` fields as a .txt beside the request."""
+    if not path.endswith(".jsonl"):
+        return Path(path)
+    out = tmp / "text.txt"
+    out.write_text(read_text(path))
+    return out
+
+
+def op_imatrix(req: dict[str, Any]) -> dict[str, Any]:
+    """Importance matrix with llama-imatrix over the calibration chunks the transformers path would
+    use (same selection, seed and length, in llama.cpp's tokens); written as llama.cpp's GGUF imatrix."""
+    import gguf
+    import llama_cpp
+
+    out = Path(req["out_path"])
+    vocab = llama_cpp.Llama(model_path=req["base_path"], vocab_only=True, verbose=False)
+    text = read_text(req["text_path"]).encode()
+    ids = vocab.tokenize(text, add_bos=False, special=False)
+    chunks = calibration_chunks(ids, req["samples"], req["seq_len"], req["seed"])
+    selected = out.parent / "calibration.txt"
+    selected.write_bytes(b"".join(vocab.detokenize(c) for c in chunks))
+    threads = req.get("threads") or os.cpu_count() or 1
+    cmd = [
+        str(tool("llama-imatrix")),
+        "-m", req["base_path"],
+        "-f", str(selected),
+        "-o", str(out),
+        "-c", str(req["seq_len"]),
+        "-b", str(req["seq_len"]),
+        "--chunks", str(len(chunks)),
+        "-t", str(threads),
+        "--no-ppl",
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    _run_tool(cmd, "llama-imatrix")
+    if not out.is_file():
+        raise RuntimeError(f"llama-imatrix wrote no {out.name}; see log")
+    reader = gguf.GGUFReader(str(out))
+    field = reader.get_field("imatrix.chunk_count")
+    return {
+        "seconds": time.perf_counter() - t0,
+        "tensors": sum(t.name.endswith(".in_sum2") for t in reader.tensors),
+        "chunks": int(field.contents()) if field else None,
+        "tokens": sum(len(c) for c in chunks),
+        "command": " ".join(Path(cmd[0]).name if i == 0 else a for i, a in enumerate(cmd)),
+    }
+
+
+def load_imatrix(path: str) -> dict[str, Any]:
+    """Per-tensor importance vectors: an .npz of them (the transformers path) or llama.cpp's GGUF
+    imatrix, normalised the way llama-quantize does (sum of squares / count, per expert)."""
+    import numpy as np
+
+    if not path.endswith(".gguf"):
+        data = np.load(path)
+        return {name: data[name] for name in data.files}
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    values = {}
+    for name, sums in tensors.items():
+        if not name.endswith(".in_sum2"):
+            continue
+        base = name.removesuffix(".in_sum2")
+        counts = np.asarray(tensors[f"{base}.counts"].data, dtype=np.float32).reshape(-1)
+        rows = np.asarray(sums.data, dtype=np.float32).reshape(len(counts), -1)
+        safe = np.where(counts > 0, counts, 1.0)[:, None]
+        values[base] = np.where(counts[:, None] > 0, rows / safe, 1.0).reshape(-1)
+    return values
+
+
+_KLD_STATS = {
+    "ppl": "Mean PPL(Q)",
+    "ppl_base": "Mean PPL(base)",
+    "ln_ppl_ratio": "Mean ln(PPL(Q)/PPL(base))",
+    "kld_mean": "Mean    KLD",
+    "kld_max": "Maximum KLD",
+    "kld_p99": "99.0%   KLD",
+    "kld_median": "Median  KLD",
+    "same_top_p_pct": "Same top p",
+}
+
+
+def op_kld_base(req: dict[str, Any]) -> dict[str, Any]:
+    """llama-perplexity on the F16 GGUF over the evaluation text: its PPL, and the log-probabilities
+    file (`--kl-divergence-base`) every quantized GGUF is compared against."""
+    out = Path(req["out_path"])
+    text = _plain_text(req["text_path"], out.parent)
+    cmd = [
+        str(tool("llama-perplexity")),
+        "-m", req["gguf_path"],
+        "-f", str(text),
+        "-c", str(req["ctx"]),
+        "-b", str(req["ctx"]),
+        "--chunks", str(req["chunks"]),
+        "-t", str(req.get("threads") or os.cpu_count() or 1),
+        "--kl-divergence-base", str(out),
+    ]  # fmt: skip
+    log = _run_tool(cmd, "llama-perplexity")
+    found = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", log)
+    if not found or not out.is_file():
+        raise RuntimeError(f"llama-perplexity gave no perplexity: {_tool_error(log)}")
+    return {"ppl": float(found[1]), "ppl_stderr": float(found[2]), "chunks": _chunks(log)}
+
+
+def op_kld(req: dict[str, Any]) -> dict[str, Any]:
+    """llama-perplexity --kl-divergence: a GGUF against the F16 base's log-probabilities."""
+    cmd = [
+        str(tool("llama-perplexity")),
+        "-m", req["gguf_path"],
+        "-c", str(req["ctx"]),
+        "-b", str(req["ctx"]),
+        "-t", str(req.get("threads") or os.cpu_count() or 1),
+        "--kl-divergence-base", req["kld_base_path"],
+        "--kl-divergence",
+    ]  # fmt: skip
+    log = _run_tool(cmd, "llama-perplexity --kl-divergence")
+    stats: dict[str, Any] = {}
+    for key, label in _KLD_STATS.items():
+        found = re.search(re.escape(label) + r"\s*:\s*(-?[\d.]+)", log)
+        if not found:
+            what = label.split()[-1]
+            raise RuntimeError(f"llama-perplexity --kl-divergence printed no {what}: {_tool_error(log)}")
+        stats[key] = float(found[1])
+    stats["ppl_delta_pct"] = 100.0 * (stats["ppl"] / stats["ppl_base"] - 1.0)
+    stats["chunks"] = _chunks(log)
+    return stats
+
+
+def _chunks(log: str) -> int | None:
+    found = re.search(r"(?:calculating perplexity|computing) over (\d+) chunks", log)
+    return int(found[1]) if found else None
+
+
 def op_quantize(req: dict[str, Any]) -> dict[str, Any]:
     """F16 GGUF -> quantized GGUF with llama_model_quantize(), optionally with an imatrix."""
     import llama_cpp
@@ -115,16 +286,16 @@ def op_quantize(req: dict[str, Any]) -> dict[str, Any]:
     params.nthread = req.get("threads", 0)
     keep_alive: list[Any] = []
     if req.get("imatrix_path"):
-        data = np.load(req["imatrix_path"])
-        entries = (llama_cpp.llama_model_imatrix_data * (len(data.files) + 1))()
-        for i, name in enumerate(data.files):
-            arr = np.ascontiguousarray(data[name], dtype=np.float32)
+        data = load_imatrix(req["imatrix_path"])
+        entries = (llama_cpp.llama_model_imatrix_data * (len(data) + 1))()
+        for i, (name, values) in enumerate(data.items()):
+            arr = np.ascontiguousarray(values, dtype=np.float32)
             key = name.encode()
             keep_alive += [arr, key]
             entries[i].name = key
             entries[i].data = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
             entries[i].size = arr.size
-        entries[len(data.files)].name = None  # the list ends at a null name
+        entries[len(data)].name = None  # the list ends at a null name
         params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
         keep_alive.append(entries)
     t0 = time.perf_counter()
@@ -220,5 +391,8 @@ if __name__ == "__main__":
             "quantize": op_quantize,
             "inspect": op_inspect,
             "validate": op_validate,
+            "imatrix": op_imatrix,
+            "kld_base": op_kld_base,
+            "kld": op_kld,
         }
     )

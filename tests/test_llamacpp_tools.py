@@ -1,0 +1,113 @@
+"""llama.cpp's own tools (llama-imatrix, llama-perplexity), run by the llamacpp worker on real GGUF
+files of the tiny Llama: the numbers that must hold, and the failures that must be one clear line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.constants import ENV_LLAMACPP
+from pipeline.environments import run_step
+from pipeline.errors import EngineError
+from pipeline.workers.llamacpp import load_imatrix
+
+TEXT = str(Path(__file__).resolve().parent.parent / "pipeline" / "data" / "apache-2.0.txt")
+CALIBRATION = str(Path(TEXT).with_name("gpl-3.0.txt"))
+
+
+def step(request: dict, log: Path) -> dict:
+    return run_step(ENV_LLAMACPP, request, log)
+
+
+@pytest.fixture(scope="module")
+def ggufs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Llama as F16 and as Q4_0 (no imatrix), converted and quantized by llama.cpp."""
+    d = tmp_path_factory.mktemp("ggufs")
+    f16, q4 = d / "f16.gguf", d / "q4_0.gguf"
+    log = d / "log"
+    step({"op": "convert", "model_dir": str(tiny_llama), "out_path": str(f16), "outtype": "f16"}, log)
+    step({"op": "quantize", "in_path": str(f16), "out_path": str(q4), "quant": "Q4_0"}, log)
+    return {"f16": f16, "q4_0": q4}
+
+
+@pytest.fixture(scope="module")
+def kld_base(ggufs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("kld") / "kld-base.bin"
+    request = {
+        "op": "kld_base",
+        "gguf_path": str(ggufs["f16"]),
+        "text_path": TEXT,
+        "ctx": 128,
+        "chunks": 2,
+        "out_path": str(out),
+    }
+    return out, step(request, out.with_name("log"))
+
+
+def kld(gguf: Path, base: Path, log: Path) -> dict:
+    return step({"op": "kld", "gguf_path": str(gguf), "kld_base_path": str(base), "ctx": 128}, log)
+
+
+def test_the_f16_file_against_its_own_base_is_zero_and_q4_0_is_not(
+    ggufs: dict[str, Path], kld_base: tuple[Path, dict], tmp_path: Path
+) -> None:
+    base_file, base = kld_base
+    assert base["chunks"] == 2 and base["ppl"] > 1
+    same = kld(ggufs["f16"], base_file, tmp_path / "log")
+    assert same["kld_mean"] == pytest.approx(0.0, abs=1e-4)
+    assert same["same_top_p_pct"] == pytest.approx(100.0)
+    assert same["ppl"] == pytest.approx(base["ppl"], rel=1e-3)
+    assert same["ppl_base"] == pytest.approx(base["ppl"], rel=1e-3)
+    q4 = kld(ggufs["q4_0"], base_file, tmp_path / "log")
+    assert q4["kld_mean"] > 10 * max(same["kld_mean"], 1e-6)
+    assert q4["kld_max"] >= q4["kld_p99"] >= q4["kld_median"] >= 0
+    assert q4["ppl_delta_pct"] == pytest.approx(100 * (q4["ppl"] / q4["ppl_base"] - 1))
+
+
+def test_a_damaged_kl_base_is_one_clear_error(
+    ggufs: dict[str, Path], kld_base: tuple[Path, dict], tmp_path: Path
+) -> None:
+    damaged = tmp_path / "kld-base.bin"
+    damaged.write_bytes(kld_base[0].read_bytes()[:5000])
+    with pytest.raises(EngineError, match=r"llama-perplexity --kl-divergence .*(failed|no KLD)") as err:
+        kld(ggufs["q4_0"], damaged, tmp_path / "log")
+    assert "\n" not in str(err.value)
+
+
+def test_a_text_shorter_than_two_windows_is_refused(ggufs: dict[str, Path], tmp_path: Path) -> None:
+    short = tmp_path / "short.txt"
+    short.write_text("Only a few words here.")
+    request = {
+        "op": "kld_base",
+        "gguf_path": str(ggufs["f16"]),
+        "text_path": str(short),
+        "ctx": 128,
+        "chunks": 2,
+        "out_path": str(tmp_path / "kld.bin"),
+    }
+    with pytest.raises(EngineError, match="llama-perplexity"):
+        step(request, tmp_path / "log")
+
+
+def test_llama_imatrix_covers_every_matmul_input(ggufs: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "imatrix.gguf"
+    request = {
+        "op": "imatrix",
+        "base_path": str(ggufs["f16"]),
+        "text_path": CALIBRATION,
+        "samples": 4,
+        "seq_len": 64,
+        "seed": 0,
+        "out_path": str(out),
+    }
+    result = step(request, tmp_path / "log")
+    assert result["chunks"] == 4 and result["tokens"] == 4 * 64
+    rows = step({"op": "inspect", "path": str(ggufs["f16"])}, tmp_path / "log")["rows"]
+    values = load_imatrix(str(out))
+    blocks = {n for n in rows if n.startswith("blk.")}
+    assert blocks <= set(values)  # every block matmul has an importance vector
+    for name in blocks:
+        assert values[name].shape == (rows[name],)
+        assert np.all(values[name] >= 0) and np.any(values[name] > 0)

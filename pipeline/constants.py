@@ -94,6 +94,7 @@ BUILTIN_TEXTS = {
 ENV_LLAMACPP = "llamacpp"  # llama-cpp-python runtime + the converter and gguf-py of the same commit
 ENV_TRANSFORMERS = "transformers"  # torch + transformers: reference model, imatrix, materialising
 ENV_LLMCOMPRESSOR = "llmcompressor"  # llm-compressor: AWQ / GPTQ quantization
+ENV_GPTQMODEL = "gptqmodel"  # GPTQModel: the second AWQ / GPTQ backend
 ENV_VLLM = "vllm"  # vLLM: serves and validates AWQ / GPTQ checkpoints
 ENV_SGLANG = "sglang"  # SGLang: serves AWQ / GPTQ checkpoints (GPU build servers)
 ENV_MODELOPT = "modelopt"  # NVIDIA ModelOpt: TensorRT-LLM and unified HF checkpoints (CPU or GPU)

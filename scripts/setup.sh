@@ -50,7 +50,7 @@ mkdir -p .envs
 declare -A JOBS=()
 sync_env "$VENV" envs/core.lock envs/testdata.lock >".envs/core.setup.log" 2>&1 &
 JOBS[core]=$!
-for name in llmcompressor vllm modelopt guidellm; do
+for name in llmcompressor gptqmodel vllm modelopt guidellm; do
   sync_env ".envs/$name" "envs/$name.lock" >".envs/$name.setup.log" 2>&1 &
   JOBS[$name]=$!
 done

@@ -21,13 +21,15 @@ if TYPE_CHECKING:  # the target kinds import this module
 VALIDATE_TIMEOUT_S = 1800
 
 
-def serve_command(serve: ServeSpec, quantization: str, dtype: str) -> str:
-    """The deploy command for a checkpoint in vLLM's OpenAI server, with the recipe's knobs."""
+def serve_command(serve: ServeSpec, quantization: str | None, dtype: str) -> str:
+    """The deploy command for a checkpoint in vLLM's OpenAI server, with the recipe's knobs
+    (`quantization` None: vLLM picks the kernel from the checkpoint's quantization_config)."""
     knobs = serve.vllm
     batched = knobs.max_num_batched_tokens
+    quant = f"--quantization {quantization} " if quantization else ""
     return (
         "python -m vllm.entrypoints.openai.api_server --model ${ARTIFACT_DIR} "
-        f"--quantization {quantization} --dtype {dtype} --host {serve.host} "
+        f"{quant}--dtype {dtype} --host {serve.host} "
         f"--port {serve.port} --max-model-len {knobs.max_model_len} "
         f"--gpu-memory-utilization {knobs.gpu_memory_utilization}"
         + (f" --max-num-batched-tokens {batched}" if batched else "")

@@ -1,9 +1,10 @@
-"""AWQ and GPTQ W4A16 targets for vLLM and SGLang: llm-compressor quantizes; vLLM and SGLang each
-give their own verdict (pipeline.engines).
+"""AWQ and GPTQ W4A16 targets for vLLM and SGLang: llm-compressor or GPTQModel quantizes; vLLM and
+SGLang each give their own verdict (pipeline.engines).
 
-Format choice: llm-compressor writes compressed-tensors (pack-quantized), which vLLM loads
-natively (its CPU int4 kernel here, Marlin on GPUs) and SGLang loads as `compressed-tensors`.
-One quantizer environment serves both methods.
+Formats: llm-compressor writes compressed-tensors (pack-quantized), which vLLM loads natively (its
+CPU int4 kernel here, Marlin on GPUs) and SGLang as `compressed-tensors`; GPTQModel writes its GPTQ
+and AWQ GEMM formats, which both engines read from the checkpoint's quantization_config.
+benchmarks/bench_quantizers.py compares the two backends on the same calibration.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from pipeline.constants import ENGINE_SGLANG, ENGINE_VLLM, ENV_LLMCOMPRESSOR, ENV_SGLANG, ENV_VLLM
+from pipeline.constants import (
+    ENGINE_SGLANG,
+    ENGINE_VLLM,
+    ENV_GPTQMODEL,
+    ENV_LLMCOMPRESSOR,
+    ENV_SGLANG,
+    ENV_VLLM,
+)
 from pipeline.engines import sglang, vllm
 from pipeline.environments import environment_exists
 from pipeline.hashing import file_sha256
@@ -23,8 +31,9 @@ from pipeline.targets.base import BuildContext, BuildOutput, Target, register
 from pipeline.validation import reference_record
 
 QUANTIZE_TIMEOUT_S = 6 * 3600
-QUANTIZATION = "compressed-tensors"  # what vLLM's and SGLang's --quantization say for these
+QUANTIZATION = "compressed-tensors"  # vLLM's and SGLang's --quantization for llm-compressor's output
 GROUP_SIZES = (128, 64, 32)
+BACKENDS = {"llm-compressor": ENV_LLMCOMPRESSOR, "gptqmodel": ENV_GPTQMODEL}  # quantizer -> environment
 
 
 class Int4Target(Target):
@@ -35,6 +44,7 @@ class Int4Target(Target):
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
     dtype: Literal["float16", "bfloat16"] = "float16"  # activations, scales and unquantized layers
     symmetric: bool
+    backend: Literal["llm-compressor", "gptqmodel"] = "llm-compressor"
     calibration: CalibrationOverride = CalibrationOverride()
 
     engine: ClassVar[str] = ENGINE_VLLM
@@ -49,7 +59,13 @@ class Int4Target(Target):
         return (ENGINE_VLLM, ENGINE_SGLANG)
 
     def recorded_environments(self) -> tuple[str, ...]:
-        return (*self.environments, ENV_SGLANG) if environment_exists(ENV_SGLANG) else self.environments
+        envs = (BACKENDS[self.backend], ENV_VLLM)
+        return (*envs, ENV_SGLANG) if environment_exists(ENV_SGLANG) else envs
+
+    @property
+    def quantization(self) -> str | None:
+        """The engines' --quantization for this backend's output (None: read from its config)."""
+        return QUANTIZATION if self.backend == "llm-compressor" else None
 
     def check(self, config: dict[str, Any] | None) -> list[str]:
         """The group size must divide every quantized layer's input size: say so now, not after
@@ -78,7 +94,7 @@ class Int4Target(Target):
         return {}
 
     def quantize_request(self, ctx: BuildContext, model_dir: Path, out: Path) -> dict[str, Any]:
-        """The llm-compressor worker's request for this target (also what the benchmark runs)."""
+        """The quantizer worker's request for this target (both backends take the same one)."""
         return {
             "op": "quantize",
             "method": self.kind,
@@ -96,8 +112,8 @@ class Int4Target(Target):
 
     def build(self, ctx: BuildContext, name: str, out: Path) -> BuildOutput:
         request = self.quantize_request(ctx, ctx.source.path, out)
-        ctx.reporter.step(name, f"{self.kind.upper()} calibration with llm-compressor")
-        result = ctx.step(ENV_LLMCOMPRESSOR, request, name, timeout_s=QUANTIZE_TIMEOUT_S)
+        ctx.reporter.step(name, f"{self.kind.upper()} calibration with {self.backend}")
+        result = ctx.step(BACKENDS[self.backend], request, name, timeout_s=QUANTIZE_TIMEOUT_S)
         qcfg = result["quantization_config"]
         cal = ctx.loaded.recipe.calibration
         assert cal is not None  # needs_calibration: the recipe schema requires it
@@ -108,8 +124,8 @@ class Int4Target(Target):
                 "quant_method": qcfg.get("quant_method"),
                 "format": qcfg.get("format"),
                 "scheme": f"W{self.bits}A16 group {self.group_size} {'sym' if self.symmetric else 'asym'}",
-                "library": "llm-compressor",
-                "library_version": result["toolchain"]["llmcompressor"],
+                "library": self.backend,
+                "library_version": result["toolchain"][self.backend.replace("-", "")],
                 "seconds": round(result["seconds"], 1),
                 "device": result["device"],
                 "calibration": {
@@ -121,7 +137,7 @@ class Int4Target(Target):
                     "seed": cal.seed,
                 },
                 "vllm_quantization": qcfg.get("quant_method"),
-                "sglang_quantization": QUANTIZATION,
+                "sglang_quantization": self.quantization or qcfg.get("quant_method"),
             },
         )
 
@@ -130,17 +146,19 @@ class Int4Target(Target):
         serve = self.serve_command(ctx.loaded.recipe.serve)
         verdicts = {
             ENGINE_VLLM: vllm.validate(ctx, name, artifact, self.dtype, self.gates, serve, int4=True),
-            ENGINE_SGLANG: sglang.validate(ctx, name, artifact, QUANTIZATION, self.dtype, self.gates),
+            ENGINE_SGLANG: sglang.validate(
+                ctx, name, artifact, self.quantization or self.kind, self.dtype, self.gates
+            ),
         }
         return Validation.of(ENGINE_VLLM, verdicts, reference_record(ref))
 
     def serve_command(self, serve: ServeSpec) -> str:
-        return vllm.serve_command(serve, QUANTIZATION, self.dtype)
+        return vllm.serve_command(serve, self.quantization, self.dtype)
 
 
 @register
 class AwqTarget(Int4Target):
-    """AWQ W4A16 (llm-compressor; compressed-tensors format).
+    """AWQ W4A16 (llm-compressor: compressed-tensors; `backend: gptqmodel`: AWQ GEMM format).
 
     ```yaml
     awq: {kind: awq, group_size: 64, n_grid: 20, gates: {max_ppl_delta_pct: 20, max_kld_topk_mean: 0.2}}
@@ -149,8 +167,8 @@ class AwqTarget(Int4Target):
 
     kind: Literal["awq"]
     symmetric: bool = False  # AWQ's classic zero-point scheme
-    # scale grid search points; fewer is faster on CPU. The duo-scaling grid llm-compressor runs
-    # divides by n_grid - 2: below 3 it crashes after calibration.
+    # scale grid search points (llm-compressor; GPTQModel searches its own fixed grid); fewer is
+    # faster on CPU. llm-compressor's duo-scaling grid divides by n_grid - 2: below 3 it crashes.
     n_grid: int = Field(20, ge=3, le=100)
 
     def method_options(self) -> dict[str, Any]:
@@ -159,7 +177,7 @@ class AwqTarget(Int4Target):
 
 @register
 class GptqTarget(Int4Target):
-    """GPTQ W4A16 (llm-compressor; compressed-tensors format).
+    """GPTQ W4A16 (llm-compressor: compressed-tensors; `backend: gptqmodel`: GPTQ format).
 
     `act_order: static` reorders columns at quantization time only; `group`/dynamic reordering is
     not offered because vLLM refuses it for grouped checkpoints.

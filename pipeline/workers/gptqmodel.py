@@ -1,0 +1,94 @@
+"""Worker for the `gptqmodel` environment: AWQ and GPTQ W4A16 with GPTQModel (the second backend).
+
+Runs only as `python -m pipeline.workers.gptqmodel REQUEST RESULT` (see pipeline.environments). Takes
+the llm-compressor worker's request and writes GPTQModel's own formats, which vLLM and SGLang load
+by their config: GPTQ (`quant_method: gptq`, v1 zeros) and AWQ GEMM (`quant_method: awq`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.workers.calibration import calibration_chunks, read_text
+from pipeline.workers.protocol import installed_versions, worker_main
+
+# GPTQModel splits a CPU into worker pools and refuses to start with fewer than it asks for; the
+# packing C++ extension it would compile on first use is replaced by its pure-torch path.
+os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count() or 1))
+os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")
+
+
+def _versions() -> dict[str, str]:
+    return installed_versions("gptqmodel", "torch", "transformers")
+
+
+def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
+    return {"toolchain": _versions()}
+
+
+def op_quantize(req: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from gptqmodel import BACKEND, GPTQModel
+    from gptqmodel.quantization import FORMAT
+    from transformers import AutoTokenizer
+
+    if [m for m in req["ignore"] if m != "lm_head"]:
+        raise ValueError(f"the gptqmodel backend keeps only lm_head unquantized, not {req['ignore']}")
+    torch.manual_seed(req["seed"])
+    src, out = req["model_dir"], Path(req["out_dir"])
+    tok = AutoTokenizer.from_pretrained(src, trust_remote_code=req["trust_remote_code"])
+    text = read_text(req["text_path"])
+    if not text.strip():
+        raise ValueError(f"calibration file {req['text_path']} is empty")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    chunks = calibration_chunks(ids, req["samples"], req["seq_len"], req["seed"])
+    calibration = [{"input_ids": c, "attention_mask": [1] * len(c)} for c in chunks]
+    gpu = torch.cuda.is_available()
+    common = {"bits": req["bits"], "group_size": req["group_size"], "sym": req["symmetric"]}
+    if req["method"] == "awq":
+        from gptqmodel import AWQConfig
+
+        config: Any = AWQConfig(**common, format=FORMAT.GEMM)
+        backend = BACKEND.AUTO if gpu else BACKEND.AWQ_TORCH  # its default GEMM backend is CUDA-only
+    else:
+        from gptqmodel import GPTQConfig
+
+        config = GPTQConfig(
+            **common,
+            desc_act=req.get("act_order") is not None,
+            damp_percent=req["dampening_frac"],
+            true_sequential=True,
+            format=FORMAT.GPTQ,
+        )
+        backend = BACKEND.AUTO
+    model = GPTQModel.load(
+        src,
+        config,
+        device="cuda" if gpu else "cpu",
+        dtype=getattr(torch, req["dtype"]),
+        trust_remote_code=req["trust_remote_code"],
+    )
+    t0 = time.perf_counter()
+    model.quantize(calibration, batch_size=1, backend=backend)
+    seconds = time.perf_counter() - t0
+    model.save(str(out))
+    tok.save_pretrained(out)
+    qcfg = json.loads((out / "config.json").read_text()).get("quantization_config") or {}
+    if not qcfg:
+        raise ValueError("GPTQModel wrote no quantization_config")
+    return {
+        "quantization_config": {k: v for k, v in qcfg.items() if k != "meta"},
+        "seconds": seconds,
+        "chunks": len(chunks),
+        "tokens": sum(len(c) for c in chunks),
+        "device": torch.cuda.get_device_name(0) if gpu else "cpu",
+        "toolchain": _versions(),
+    }
+
+
+if __name__ == "__main__":
+    worker_main({"toolchain": op_toolchain, "quantize": op_quantize})

@@ -11,6 +11,7 @@ from pipeline.cli import app
 from pipeline.errors import RecipeError
 from pipeline.project import Project
 from pipeline.recipe import load_recipe
+from pipeline.texts import parse_hf_ref
 from tests.conftest import REPO, write_recipe
 
 F16 = {"kind": "gguf", "quant": "F16", "gates": {"max_ppl_delta_pct": 0.1, "max_kld_mean": 0.001}}
@@ -24,9 +25,14 @@ def test_shipped_recipes_load(name: str) -> None:
 
 
 def test_qwen_recipe_is_pinned_to_a_commit() -> None:
-    src = load_recipe(REPO / "recipes" / "qwen2-7b.yaml").recipe.source
-    assert src.repo == "Qwen/Qwen2-7B-Instruct"
-    assert src.revision and len(src.revision) == 40
+    recipe = load_recipe(REPO / "recipes" / "qwen2-7b.yaml").recipe
+    assert recipe.source.repo == "Qwen/Qwen2-7B-Instruct"
+    assert recipe.source.revision and len(recipe.source.revision) == 40
+    # real corpora, pinned: wikitext-2 test for evaluation, a Pile sample for calibration
+    evaluation, calibration = parse_hf_ref(recipe.evaluation.text), parse_hf_ref(recipe.calibration.dataset)
+    assert evaluation.repo == "Salesforce/wikitext"
+    assert (evaluation.config, evaluation.split) == ("wikitext-2-raw-v1", "test")
+    assert calibration.repo == "NeelNanda/pile-10k" and calibration.split == "train"
 
 
 def _error(tmp_path: Path, text: str | None = None, **overrides: object) -> str:

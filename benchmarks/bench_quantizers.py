@@ -74,12 +74,13 @@ def row(name: str, m: dict[str, Any]) -> dict[str, Any]:
     gguf = m.get("gguf") or {}
     llama = v["engines"].get("llama.cpp", {}).get("details", {}).get("llama_perplexity") or {}
     cal = q.get("calibration") or gguf.get("imatrix") or {}
+    samples = cal.get("chunks") or cal.get("samples")  # what was used (a short text gives fewer)
     weights = [f for f in m["files"] if f["path"].endswith((".gguf", ".safetensors"))]
     return {
         "target": name,
         "tool": q.get("library") or f"llama.cpp + {gguf.get('imatrix', {}).get('tool')}",
         "version": q.get("library_version") or m["toolchain"]["llamacpp"]["llama.cpp"][:10],
-        "calibration": f"{cal.get('samples')} x {cal.get('seq_len')}",
+        "calibration": f"{samples} x {cal.get('seq_len')}",
         "quantize_s": sum(s["seconds"] for s in made),
         "peak_rss_mib": max((s["peak_rss_mib"] for s in made), default=0.0),
         "mib": sum(f["bytes"] for f in weights) / 2**20,

@@ -98,7 +98,14 @@ def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> N
     assert delta["gguf-f16"] < delta["gguf-q8_0"] < delta["gguf-iq4_xs"] < delta["gguf-q4_0"]
     iq4 = gguf["gguf-iq4_xs"]["gguf"]
     assert iq4["tensor_types"].get("IQ4_NL", 0) > 0, "576-wide rows cannot be IQ4_XS; llama.cpp uses IQ4_NL"
-    assert iq4["imatrix"]["chunks"] > 0
+    assert iq4["imatrix"]["chunks"] > 0 and iq4["imatrix"]["tool"] == "llama-imatrix"
+    # llama.cpp's own scoreboard numbers, against the F16 GGUF, in the same order
+    by_llama = {
+        t: m["validation"]["engines"]["llama.cpp"]["details"]["llama_perplexity"] for t, m in gguf.items()
+    }
+    assert {b["tool"] for b in by_llama.values()} == {"llama-perplexity"}
+    kld = {t: b["kld_mean"] for t, b in by_llama.items()}
+    assert kld["gguf-f16"] < 1e-4 < kld["gguf-q8_0"] < kld["gguf-iq4_xs"] < kld["gguf-q4_0"]
 
     for method in ("awq", "gptq"):
         m = everything[method]

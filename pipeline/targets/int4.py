@@ -49,7 +49,7 @@ class Int4Target(Target):
 
     engine: ClassVar[str] = ENGINE_VLLM
     format: ClassVar[str] = "safetensors"
-    environments: ClassVar[tuple[str, ...]] = (ENV_LLMCOMPRESSOR, ENV_VLLM)
+    environments: ClassVar[tuple[str, ...]] = (ENV_VLLM,)  # + the backend's (recorded_environments)
 
     @property
     def needs_calibration(self) -> bool:

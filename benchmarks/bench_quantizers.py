@@ -21,7 +21,6 @@ import json
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +91,7 @@ def row(name: str, m: dict[str, Any]) -> dict[str, Any]:
         "llama_ppl_delta_pct": llama.get("ppl_delta_pct"),
         "llama_kld": llama.get("kld_mean"),
         "status": v["status"],
+        "build_s": m["build"]["seconds"],
     }
 
 
@@ -131,9 +131,7 @@ def main() -> None:
     chosen = targets(args.awq_full_samples, args.awq_full_seq_len)
     recipe = write_recipe(work, chosen)
     project = Project.open(recipe, root=work / "artifacts")
-    t0 = time.perf_counter()
     results = project.build(args.only or None)
-    wall = time.perf_counter() - t0
     rows = []
     for result in results:
         manifest = work / "artifacts" / "bench-quantizers" / result.target / MANIFEST_NAME
@@ -146,14 +144,14 @@ def main() -> None:
     )
     text = (
         f"# Quantizers side by side, {datetime.date.today()} (`benchmarks/bench_quantizers.py`)\n\n"
-        f"Commit {commit.stdout.strip()}, {platform.processor() or platform.machine()}, build wall "
-        f"{wall:.0f} s for {len(rows)} targets. Model: SmolLM2-135M-Instruct (default recipe source); "
+        f"Commit {commit.stdout.strip()}, {platform.processor() or platform.machine()}, "
+        f"{sum(r['build_s'] for r in rows):.0f} s of builds + validations for {len(rows)} targets. "
+        "Model: SmolLM2-135M-Instruct (default recipe source); "
         "reference: transformers fp32 on the evaluation text (`builtin:apache-2.0`, 1024 tokens, ctx 512); "
         "calibration text `builtin:gpl-3.0`. KLD vs the fp32 reference is full-vocabulary for GGUF "
-        "(llama.cpp) and the top-64 lower bound for W4A16 (vLLM). `quantize s` is the imatrix step "
-        "for GGUF rows (the quantization itself is seconds) and the quantizer step for W4A16 rows.\n\n"
-        + table(rows)
-        + "\n"
+        "(llama.cpp) and the top-64 lower bound for W4A16 (vLLM). `quantize s`: the imatrix and "
+        "quantize steps for GGUF rows, the quantizer step for W4A16 rows; `calibration`: the chunks "
+        "really used x their length (the calibration text holds 29 x 256 tokens).\n\n" + table(rows) + "\n"
     )
     print(text)
     if args.out:

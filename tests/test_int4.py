@@ -227,29 +227,3 @@ def test_awq_and_gptq_pass_in_cuda_vllm_and_sglang_with_the_serve_check(
         assert m["quantization"]["device"] != "cpu" and m["validation"]["reference"]["device"] != "cpu"
         assert any(s["peak_gpu_mib"] for s in m["build"]["steps"])
 
-
-def test_gptqmodel_checkpoints_pass_vllm_and_its_serve_command(
-    tiny_recipe_dir: Path, _isolated_artifacts: Path
-) -> None:
-    """The second backend: GPTQModel's GPTQ format, scored by vLLM (which reads the kernel from the
-    checkpoint's config) and served once by the manifest's command."""
-    gptq = {"kind": "gptq", "backend": "gptqmodel", "group_size": 64, "dtype": "bfloat16", "gates": LOOSE}
-    recipe = write_recipe(
-        tiny_recipe_dir / "tiny.yaml",
-        calibration={"dataset": "builtin:gpl-3.0", "samples": 4, "seq_len": 64},
-        serve=TINY_SERVE,
-        targets={"gptq": gptq},
-    )
-    if vllm.int4_unsupported(Project.open(recipe).context()):
-        pytest.skip("this CPU's vLLM has no W4A16 kernel")
-    (result,) = Project.open(recipe).build(["gptq"])
-    m = read_json(_isolated_artifacts / "tiny" / "gptq" / MANIFEST_NAME)
-    assert result.validation == "passed", m["validation"]["reason"]
-    assert set(m["toolchain"]) >= {"gptqmodel", "vllm"} and "llmcompressor" not in m["toolchain"]
-    q = m["quantization"]
-    assert q["library"] == "gptqmodel" and q["library_version"] == m["toolchain"]["gptqmodel"]["gptqmodel"]
-    assert q["quant_method"] == "gptq" and q["calibration"]["samples"] == 4
-    vllm_verdict = m["validation"]["engines"]["vllm"]
-    assert vllm_verdict["details"]["quantization"] not in (None, "compressed-tensors")
-    assert "--quantization" not in m["serve"]["command"]  # vLLM reads GPTQModel's config
-    assert vllm_verdict["details"]["serve_check"]["ok"]

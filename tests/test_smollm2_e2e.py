@@ -107,24 +107,39 @@ def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> N
     kld = {t: b["kld_mean"] for t, b in by_llama.items()}
     assert kld["gguf-f16"] < 1e-4 < kld["gguf-q8_0"] < kld["gguf-iq4_xs"] < kld["gguf-q4_0"]
 
-    for method in ("awq", "gptq"):
+    # AWQ from llm-compressor (compressed-tensors), GPTQ from GPTQModel (its GPTQ format): the two
+    # backends the default recipe picked on benchmarks/results/quantizer-*.md
+    expected_format = {"awq": ("llm-compressor", "compressed-tensors"), "gptq": ("gptqmodel", "gptq")}
+    for method, (library, quant_method) in expected_format.items():
         m = everything[method]
         q, v = m["quantization"], m["validation"]
-        assert m["engine"] == "vllm" and q["quant_method"] == "compressed-tensors"
-        assert q["library"] == "llm-compressor" and q["calibration"]["dataset_sha256"]
-        # each environment's versions on their own: the quantizer's compressed-tensors wrote the
-        # bytes, vLLM's read them
-        assert m["toolchain"]["llmcompressor"]["compressed-tensors"]
-        assert m["toolchain"]["vllm"]["compressed-tensors"]
+        assert m["engine"] == "vllm" and q["quant_method"] == quant_method
+        assert q["library"] == library and q["calibration"]["dataset_sha256"]
+        assert q["library_version"] == m["toolchain"][library.replace("-", "")][library.replace("-", "")]
+        assert set(m["toolchain"]) - {"sglang"} == {library.replace("-", ""), "vllm"}
+        if library == "llm-compressor":
+            # each environment's versions on their own: the quantizer's compressed-tensors wrote
+            # the bytes, vLLM's read them
+            assert m["toolchain"]["llmcompressor"]["compressed-tensors"]
+            assert m["toolchain"]["vllm"]["compressed-tensors"]
+            assert "--quantization compressed-tensors" in m["serve"]["command"]
+        else:
+            assert "--quantization" not in m["serve"]["command"]  # vLLM reads GPTQModel's config
         assert any(f["path"] == "model.safetensors" for f in m["files"])
         sglang = v["engines"]["sglang"]
-        assert sglang["details"]["quantization"] == "compressed-tensors"
+        assert sglang["details"]["quantization"] == (
+            "compressed-tensors" if library == "llm-compressor" else "gptq"
+        )
         assert sglang["status"] == ("skipped" if "sglang" not in m["toolchain"] else "passed")
         vllm = v["engines"]["vllm"]
         if int4_here is False:
             assert "no W4A16 kernel for this CPU" in vllm["reason"] and v["metrics"] is None
             continue
-        assert vllm["details"]["quantization"] == "compressed-tensors" and vllm["engine_version"]
+        chosen = vllm["details"]["quantization"]  # the kernel vLLM picked from the checkpoint
+        assert (
+            chosen == "compressed-tensors" if library == "llm-compressor" else chosen in ("gptq", "auto_gptq")
+        )
+        assert vllm["engine_version"]
         served = vllm["details"]["serve_check"]
         assert served["ok"] and served["text"].strip() and served["text"] == vllm["generations"][0]["text"]
         assert 0 < v["metrics"]["ppl_delta_pct"] < 30 and v["metrics"]["ppl_engine_ref"] > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,21 @@ def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_quantize(req: dict[str, Any]) -> dict[str, Any]:
+    """Quantize in a scratch directory: GPTQModel writes per-layer stats to `./logs/`, which go to
+    this step's log instead of the caller's working directory."""
+    req = {**req, **{k: os.path.abspath(req[k]) for k in ("model_dir", "out_dir", "text_path")}}
+    with tempfile.TemporaryDirectory(prefix="gptqmodel-") as scratch:
+        here = os.getcwd()
+        os.chdir(scratch)
+        try:
+            return _quantize(req)
+        finally:
+            for stats in sorted(Path(scratch, "logs").glob("*.log")):
+                print(f"--- GPTQModel {stats.name}\n{stats.read_text(errors='replace')}")
+            os.chdir(here)
+
+
+def _quantize(req: dict[str, Any]) -> dict[str, Any]:
     import torch
     from gptqmodel import BACKEND, GPTQModel
     from gptqmodel.quantization import FORMAT

@@ -193,6 +193,14 @@ def test_int4_targets_parse(tmp_path: Path) -> None:
     assert recipe.targets["awq"].symmetric is False and recipe.targets["gptq"].symmetric is True
 
 
+def test_a_backend_refuses_what_it_cannot_do(tmp_path: Path) -> None:
+    gptq = {"kind": "gptq", "group_size": 64, "backend": "gptqmodel", "ignore": ["lm_head", "mlp"], **INT4}
+    assert "backend gptqmodel keeps only lm_head unquantized" in _error(tmp_path, targets={"gptq": gptq})
+    unknown = {**gptq, "ignore": ["lm_head"], "backend": "autogptq"}
+    message = _error(tmp_path, targets={"gptq": unknown})
+    assert "backend: Input should be 'llm-compressor' or 'gptqmodel'" in message
+
+
 def test_group_size_must_divide_the_models_layers() -> None:
     """SmolLM2's hidden size is 576: group 128 is refused at recipe time, naming the fix."""
     text = (

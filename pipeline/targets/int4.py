@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pipeline.constants import (
     ENGINE_SGLANG,
@@ -61,6 +61,12 @@ class Int4Target(Target):
     def recorded_environments(self) -> tuple[str, ...]:
         envs = (BACKENDS[self.backend], ENV_VLLM)
         return (*envs, ENV_SGLANG) if environment_exists(ENV_SGLANG) else envs
+
+    @model_validator(mode="after")
+    def _backend_supports(self) -> Int4Target:
+        if self.backend == "gptqmodel" and self.ignore != ["lm_head"]:
+            raise ValueError("backend gptqmodel keeps only lm_head unquantized: leave `ignore` out")
+        return self
 
     @property
     def quantization(self) -> str | None:

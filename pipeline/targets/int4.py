@@ -33,7 +33,8 @@ from pipeline.validation import reference_record
 QUANTIZE_TIMEOUT_S = 6 * 3600
 QUANTIZATION = "compressed-tensors"  # vLLM's and SGLang's --quantization for llm-compressor's output
 GROUP_SIZES = (128, 64, 32)
-BACKENDS = {"llm-compressor": ENV_LLMCOMPRESSOR, "gptqmodel": ENV_GPTQMODEL}  # quantizer -> environment
+# backend -> (its environment, the distribution whose version the manifest's quantization names)
+BACKENDS = {"llm-compressor": (ENV_LLMCOMPRESSOR, "llmcompressor"), "gptqmodel": (ENV_GPTQMODEL, "gptqmodel")}
 
 
 class Int4Target(Target):
@@ -59,7 +60,7 @@ class Int4Target(Target):
         return (ENGINE_VLLM, ENGINE_SGLANG)
 
     def recorded_environments(self) -> tuple[str, ...]:
-        envs = (BACKENDS[self.backend], ENV_VLLM)
+        envs = (BACKENDS[self.backend][0], ENV_VLLM)
         return (*envs, ENV_SGLANG) if environment_exists(ENV_SGLANG) else envs
 
     @model_validator(mode="after")
@@ -70,8 +71,13 @@ class Int4Target(Target):
 
     @property
     def quantization(self) -> str | None:
-        """The engines' --quantization for this backend's output (None: read from its config)."""
+        """vLLM's --quantization for this backend's output (None: read from its config)."""
         return QUANTIZATION if self.backend == "llm-compressor" else None
+
+    @property
+    def sglang_quantization(self) -> str:
+        """SGLang's --quantization, which it needs named: GPTQModel's formats are the method's."""
+        return self.quantization or self.kind
 
     def check(self, config: dict[str, Any] | None) -> list[str]:
         """The group size must divide every quantized layer's input size: say so now, not after
@@ -119,7 +125,8 @@ class Int4Target(Target):
     def build(self, ctx: BuildContext, name: str, out: Path) -> BuildOutput:
         request = self.quantize_request(ctx, ctx.source.path, out)
         ctx.reporter.step(name, f"{self.kind.upper()} calibration with {self.backend}")
-        result = ctx.step(BACKENDS[self.backend], request, name, timeout_s=QUANTIZE_TIMEOUT_S)
+        env, dist = BACKENDS[self.backend]
+        result = ctx.step(env, request, name, timeout_s=QUANTIZE_TIMEOUT_S)
         qcfg = result["quantization_config"]
         cal = ctx.loaded.recipe.calibration
         assert cal is not None  # needs_calibration: the recipe schema requires it
@@ -131,7 +138,7 @@ class Int4Target(Target):
                 "format": qcfg.get("format"),
                 "scheme": f"W{self.bits}A16 group {self.group_size} {'sym' if self.symmetric else 'asym'}",
                 "library": self.backend,
-                "library_version": result["toolchain"][self.backend.replace("-", "")],
+                "library_version": result["toolchain"][dist],
                 "seconds": round(result["seconds"], 1),
                 "device": result["device"],
                 "calibration": {
@@ -143,7 +150,7 @@ class Int4Target(Target):
                     "seed": cal.seed,
                 },
                 "vllm_quantization": qcfg.get("quant_method"),
-                "sglang_quantization": self.quantization or qcfg.get("quant_method"),
+                "sglang_quantization": self.sglang_quantization,
             },
         )
 
@@ -153,7 +160,7 @@ class Int4Target(Target):
         verdicts = {
             ENGINE_VLLM: vllm.validate(ctx, name, artifact, self.dtype, self.gates, serve, int4=True),
             ENGINE_SGLANG: sglang.validate(
-                ctx, name, artifact, self.quantization or self.kind, self.dtype, self.gates
+                ctx, name, artifact, self.sglang_quantization, self.dtype, self.gates
             ),
         }
         return Validation.of(ENGINE_VLLM, verdicts, reference_record(ref))

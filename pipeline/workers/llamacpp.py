@@ -38,6 +38,9 @@ def llama_cpp_dir() -> Path:
     return Path(override) if override else Path(sys.prefix) / "share" / "pipeline" / "llama.cpp"
 
 
+TOOLS = ("llama-imatrix", "llama-perplexity")
+
+
 def tool(name: str) -> Path:
     """One of llama.cpp's own tools, built from this runtime's sdist by scripts/setup.sh."""
     path = llama_cpp_dir() / "bin" / name
@@ -119,7 +122,16 @@ def _converter_error(stderr: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-TOOLS = ("llama-imatrix", "llama-perplexity")
+def _threads(req: dict[str, Any]) -> int:
+    """The threads a request asks for; all cores when it leaves it to us."""
+    return req.get("threads") or os.cpu_count() or 1
+
+
+def _perplexity(req: dict[str, Any], *args: str) -> list[str]:
+    """A llama-perplexity command over req's GGUF in windows of req's ctx, plus `args`."""
+    ctx = str(req["ctx"])
+    return [str(tool("llama-perplexity")), "-m", req["gguf_path"], "-c", ctx, "-b", ctx,
+            "-t", str(_threads(req)), *args]  # fmt: skip
 
 
 def _run_tool(cmd: list[str], what: str) -> str:
@@ -163,7 +175,6 @@ def op_imatrix(req: dict[str, Any]) -> dict[str, Any]:
     chunks = calibration_chunks(ids, req["samples"], req["seq_len"], req["seed"])
     selected = out.parent / "calibration.txt"
     selected.write_bytes(b"".join(vocab.detokenize(c) for c in chunks))
-    threads = req.get("threads") or os.cpu_count() or 1
     cmd = [
         str(tool("llama-imatrix")),
         "-m", req["base_path"],
@@ -172,7 +183,7 @@ def op_imatrix(req: dict[str, Any]) -> dict[str, Any]:
         "-c", str(req["seq_len"]),
         "-b", str(req["seq_len"]),
         "--chunks", str(len(chunks)),
-        "-t", str(threads),
+        "-t", str(_threads(req)),
         "--no-ppl",
     ]  # fmt: skip
     t0 = time.perf_counter()
@@ -230,16 +241,7 @@ def op_kld_base(req: dict[str, Any]) -> dict[str, Any]:
     file (`--kl-divergence-base`) every quantized GGUF is compared against."""
     out = Path(req["out_path"])
     text = _plain_text(req["text_path"], out.parent)
-    cmd = [
-        str(tool("llama-perplexity")),
-        "-m", req["gguf_path"],
-        "-f", str(text),
-        "-c", str(req["ctx"]),
-        "-b", str(req["ctx"]),
-        "--chunks", str(req["chunks"]),
-        "-t", str(req.get("threads") or os.cpu_count() or 1),
-        "--kl-divergence-base", str(out),
-    ]  # fmt: skip
+    cmd = _perplexity(req, "-f", str(text), "--chunks", str(req["chunks"]), "--kl-divergence-base", str(out))
     log = _run_tool(cmd, "llama-perplexity")
     found = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", log)
     if not found or not out.is_file():
@@ -249,15 +251,7 @@ def op_kld_base(req: dict[str, Any]) -> dict[str, Any]:
 
 def op_kld(req: dict[str, Any]) -> dict[str, Any]:
     """llama-perplexity --kl-divergence: a GGUF against the F16 base's log-probabilities."""
-    cmd = [
-        str(tool("llama-perplexity")),
-        "-m", req["gguf_path"],
-        "-c", str(req["ctx"]),
-        "-b", str(req["ctx"]),
-        "-t", str(req.get("threads") or os.cpu_count() or 1),
-        "--kl-divergence-base", req["kld_base_path"],
-        "--kl-divergence",
-    ]  # fmt: skip
+    cmd = _perplexity(req, "--kl-divergence-base", req["kld_base_path"], "--kl-divergence")
     log = _run_tool(cmd, "llama-perplexity --kl-divergence")
     stats: dict[str, Any] = {}
     for key, label in _KLD_STATS.items():
@@ -331,7 +325,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
     # Every layer on the GPU when this build of llama.cpp has a GPU backend; all cores otherwise
     # (llama-cpp-python's default is half of them).
     offload = bool(llama_cpp.llama_supports_gpu_offload())
-    threads = req.get("threads") or os.cpu_count() or 1
+    threads = _threads(req)
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(
         model_path=req["gguf_path"],

@@ -44,6 +44,19 @@ def kld_base(ggufs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     return out, make_kld_base(ggufs["f16"], TEXT, out)
 
 
+def imatrix_request(gguf: Path, out: Path, samples: int) -> dict:
+    """llama-imatrix over `samples` windows of 64 tokens of the builtin calibration text."""
+    return {
+        "op": "imatrix",
+        "base_path": str(gguf),
+        "text_path": CALIBRATION,
+        "samples": samples,
+        "seq_len": 64,
+        "seed": 0,
+        "out_path": str(out),
+    }
+
+
 def kld(gguf: Path, base: Path, log: Path) -> dict:
     return step({"op": "kld", "gguf_path": str(gguf), "kld_base_path": str(base), "ctx": 128}, log)
 
@@ -83,16 +96,7 @@ def test_a_text_shorter_than_two_windows_is_refused(ggufs: dict[str, Path], tmp_
 
 def test_llama_imatrix_covers_every_matmul_input(ggufs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "imatrix.gguf"
-    request = {
-        "op": "imatrix",
-        "base_path": str(ggufs["f16"]),
-        "text_path": CALIBRATION,
-        "samples": 4,
-        "seq_len": 64,
-        "seed": 0,
-        "out_path": str(out),
-    }
-    result = step(request, tmp_path / "log")
+    result = step(imatrix_request(ggufs["f16"], out, samples=4), tmp_path / "log")
     assert result["chunks"] == 4 and result["tokens"] == 4 * 64
     rows = step({"op": "inspect", "path": str(ggufs["f16"])}, tmp_path / "log")["rows"]
     values = load_imatrix(str(out))
@@ -101,3 +105,14 @@ def test_llama_imatrix_covers_every_matmul_input(ggufs: dict[str, Path], tmp_pat
     for name in blocks:
         assert values[name].shape == (rows[name],)
         assert np.all(values[name] >= 0) and np.any(values[name] > 0)
+
+
+def test_a_missing_tool_names_the_set_up_step(
+    ggufs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A llama.cpp directory without the compiled tools (set-up interrupted): one line saying so."""
+    monkeypatch.setenv("PIPELINE_LLAMA_CPP_DIR", str(tmp_path))
+    request = imatrix_request(ggufs["f16"], tmp_path / "imatrix.gguf", samples=2)
+    with pytest.raises(EngineError, match=r"bin/llama-imatrix missing: run scripts/setup.sh") as err:
+        step(request, tmp_path / "log")
+    assert "\n" not in str(err.value) and not (tmp_path / "imatrix.gguf").exists()

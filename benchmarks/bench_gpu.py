@@ -11,7 +11,8 @@ same environment, same session) under the same sampler, and the ratio project/ra
     python benchmarks/bench_gpu.py warm MODEL_DIR --model NAME --json OUT.json
 
 `make-checkpoint` writes Qwen2-7B-Instruct's shapes (pipeline.constants.KNOWN_HUB_CONFIGS) with
-random bfloat16 weights, initialised on the GPU, and SRC's tokenizer; `--arch llama` declares the
+random bfloat16 weights, initialised on the GPU at a scale that keeps float16 activations in range
+(`scaled_init`, checked by a float16 forward pass), and SRC's tokenizer; `--arch llama` declares the
 same shapes as a Llama (llama.cpp's converter refuses SmolLM2's tokenizer under Qwen2: "BPE
 pre-tokenizer was not recognized").
 """
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -41,10 +43,75 @@ from pipeline.project import Project  # noqa: E402
 RAW = REPO / "benchmarks" / "raw_tools.py"
 
 
+# Scaled initialisation of a random checkpoint: unit-variance projections of the normed hidden state,
+# residual branches scaled by 1/sqrt(2 x layers) so the residual stream stays O(1) over all layers
+# (GPT-2's rule), and logits of standard deviation LOGIT_STD, about a trained model's, so greedy
+# steps are not all near-ties. transformers' default (every Linear N(0, 0.02)) grows the MLP's
+# output with the width (0.02 x sqrt(18944) ~ 2.8 per layer at 7B shape), and llm-compressor's AWQ
+# grid search in float16 found no finite loss on it.
+LOGIT_STD = 3.0
+RESIDUAL_OUT = ("o_proj", "down_proj")
+
+
+def scaled_init(model: Any, seed: int = 0) -> None:
+    """Re-initialise `model`'s weights in place (see LOGIT_STD above); norms 1, biases 0."""
+    import torch
+
+    cfg = model.config
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    residual = 1.0 / (2 * cfg.num_hidden_layers) ** 0.5
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Embedding):
+                module.weight.normal_(0.0, 1.0, generator=gen)
+            elif isinstance(module, torch.nn.Linear):
+                std = 1.0 / module.in_features**0.5
+                if name.endswith(RESIDUAL_OUT):
+                    std *= residual
+                elif name.endswith("lm_head"):
+                    std *= LOGIT_STD
+                module.weight.normal_(0.0, std, generator=gen)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None:
+                module.weight.fill_(1.0)
+
+
+def activation_ranges(model: Any, ids: list[int], dtype: Any) -> dict[str, float]:
+    """The largest |activation| a forward pass at `dtype` reaches: each decoder layer's output, the
+    MLP's down_proj input, and the logits; they must stay finite and far below float16's 65504."""
+    import torch
+
+    peaks: dict[str, float] = {}
+
+    def keep(key: str) -> Any:
+        def hook(_m: Any, inputs: Any, output: Any) -> None:
+            t = inputs[0] if key.endswith("down_in") else (output[0] if isinstance(output, tuple) else output)
+            peaks[key] = max(peaks.get(key, 0.0), float(t.detach().abs().float().max()))
+
+        return hook
+
+    layers = model.model.layers
+    handles = [layers[i].register_forward_hook(keep("layer_out")) for i in range(len(layers))]
+    handles += [layers[i].mlp.down_proj.register_forward_hook(keep("down_in")) for i in range(len(layers))]
+    try:
+        with torch.no_grad():
+            logits = model.to(dtype)(torch.tensor([ids], device=model.device)).logits
+        peaks["logits"] = float(logits.abs().float().max())
+        peaks["logits_std"] = float(logits.float().std())
+        peaks["finite"] = float(bool(torch.isfinite(logits).all()))
+    finally:
+        for h in handles:
+            h.remove()
+    return peaks
+
+
 def make_checkpoint(out: Path, arch: str, tokenizer: Path) -> None:
     import torch
     from bench_trtllm_checkpoint import qwen2_7b_config
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.constants import BUILTIN_TEXTS
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
     cfg = qwen2_7b_config(
@@ -57,9 +124,18 @@ def make_checkpoint(out: Path, arch: str, tokenizer: Path) -> None:
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    scaled_init(model)
+    text = (REPO / "pipeline" / "data" / BUILTIN_TEXTS["gpl-3.0"]).read_text()
+    ids = tok(text, add_special_tokens=False)["input_ids"][:512]
+    ranges = activation_ranges(model, ids, torch.float16)
+    print(f"float16 forward of {len(ids)} tokens, largest |activation|: {json.dumps(ranges)}")
+    if not ranges["finite"] or max(v for k, v in ranges.items() if k != "logits_std") > 6e4:
+        raise SystemExit("the scaled checkpoint overflows float16: not written")
+    model = model.to(torch.bfloat16)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out, max_shard_size="4GB")
     tok.save_pretrained(out)
+    (out.parent / f"{out.name}.activations.json").write_text(json.dumps(ranges, indent=1) + "\n")
     n = sum(p.numel() for p in model.parameters())
     print(f"{out}: {arch} {n / 1e9:.2f}B parameters, written in {time.perf_counter() - t0:.0f}s")
 
@@ -96,12 +172,16 @@ def raw_step(env_name: str, tool: str, request: dict[str, Any], work: Path) -> d
                     out.unlink(missing_ok=True)
 
 
-def raw_requests(project: Project, target: str, work: Path) -> list[tuple[str, str, str, dict[str, Any]]]:
+def raw_requests(
+    project: Project, target: str, work: Path, with_validate: bool = True
+) -> list[tuple[str, str, str, dict[str, Any]]]:
     """(pipeline step op, env, raw tool, request) for each step of `target` a tool can run alone with
-    the same settings. Not repeated: quantizing with an imatrix (the pipeline hands llama.cpp its own
-    imatrix through the C API; there is no raw tool for that here) and ModelOpt other than FP8."""
+    the same settings (`with_validate` False: only the steps before validation, which need neither
+    the reference nor the built artifact). Not repeated: quantizing with an imatrix (the pipeline
+    hands llama.cpp its own imatrix through the C API; there is no raw tool for that here) and
+    ModelOpt other than FP8."""
     from pipeline.targets.gguf import BASE_FILE, GgufTarget
-    from pipeline.targets.int4 import Int4Target
+    from pipeline.targets.int4 import BACKENDS, Int4Target
     from pipeline.targets.modelopt import ModeloptTarget, checkpoint_request
     from pipeline.workers.llamacpp import llama_cpp_dir
 
@@ -133,15 +213,16 @@ def raw_requests(project: Project, target: str, work: Path) -> list[tuple[str, s
             )
         return steps
     if isinstance(spec, Int4Target):
-        steps.append(
-            ("quantize", "llmcompressor", "llmcompressor", spec.quantize_request(ctx, ctx.source.path, out))
-        )
+        env = BACKENDS[spec.backend][0]  # llmcompressor or gptqmodel: the raw tool of the same name
+        steps.append(("quantize", env, env, spec.quantize_request(ctx, ctx.source.path, out)))
     elif isinstance(spec, ModeloptTarget) and spec.quant == "fp8":
         request = checkpoint_request(
             ctx, out, export="hf", quant=spec.quant, dtype=spec.dtype, calibration=spec.calibration
         )
         steps.append(("checkpoint", "modelopt", "modelopt", request))
     else:
+        return steps
+    if not with_validate:
         return steps
     ref, _ = ctx.reference()
     built = project.layout.target_dir(target)
@@ -208,7 +289,15 @@ def run_targets(
 ) -> None:
     device = _device()
     rows = json.loads(json_out.read_text()) if json_out.is_file() else []
-    for target in targets:
+    for index, target in enumerate(targets):
+        # Alternate which side runs first (page cache, JIT caches, GPU clocks favour the second):
+        # every other target runs its raw build steps before `pipeline build`.
+        raw_first = index % 2 == 1
+        early: list[tuple[str, dict[str, Any]]] = []
+        if raw_first:
+            for op, env_name, tool, request in raw_requests(project, target, work, with_validate=False):
+                if op in raw_ops and op != "convert":
+                    early.append((f"{env_name}:{op}", raw_step(env_name, tool, request, work)))
         started = time.time()
         cmd = [sys.executable, "-m", "pipeline", "build", str(recipe), "--targets", target, "--force"]
         whole = sampled(cmd)
@@ -232,6 +321,7 @@ def run_targets(
         raw: list[dict[str, Any]] = []  # filled below; every engine row of this target shares it
         for engine, verdict in v["engines"].items():
             vm = verdict.get("metrics") or {}
+            details = verdict.get("details") or {}
             rows.append(
                 {
                     "target": target,
@@ -242,13 +332,16 @@ def run_targets(
                     "status": verdict["status"],
                     "reason": verdict.get("reason"),
                     "quant": m["quant"],
+                    "library": (m.get("quantization") or {}).get("library"),
+                    "kernels": _kernels(project.layout.logs_dir / f"{target}.log", engine),
                     "size_mib": round(sum(f["bytes"] for f in m["files"]) / 2**20, 1),
                     "ppl_delta_pct": vm.get("ppl_delta_pct"),
                     "kld": vm.get("kld_mean") if vm.get("kld_mean") is not None else vm.get("kld_topk_mean"),
                     "kld_metric": "kld_mean" if vm.get("kld_mean") is not None else "kld_topk_mean",
                     "token_agreement": vm.get("token_agreement"),
                     "tokens_per_s": vm.get("tokens_per_s"),
-                    "serve_check": (verdict.get("details") or {}).get("serve_check", {}).get("ok"),
+                    "serve_check": details.get("serve_check", {}).get("ok"),
+                    "serve_check_modes": details.get("serve_check", {}).get("modes"),
                     "seconds": whole["seconds"],
                     "build_seconds": m["build"]["seconds"],
                     "peak_rss_mib": max((s["peak_rss_mib"] for s in steps), default=None),
@@ -256,35 +349,44 @@ def run_targets(
                     "reference": v.get("reference"),
                     "steps": steps,
                     "raw": raw,
+                    "raw_order": "raw first" if raw_first else "project first",
                     "primary": engine == v["engine"],
                 }
             )
         write_results(json_out, rows)  # now, and after every raw step: a run killed later keeps them
+
+        for step, measured in early:
+            raw.append(raw_row(step, measured, steps, target))
+            write_results(json_out, rows)
+        done = {step for step, _ in early}
         for op, env_name, tool, request in raw_requests(project, target, work):
-            if op not in raw_ops:
+            if op not in raw_ops or f"{env_name}:{op}" in done:
                 continue
             if op == "convert" and not any(s["op"] == "convert" for s in steps):
                 continue  # the pipeline reused its cached base: nothing to compare with
-            ours = [s for s in steps if s["op"] == op and s["env"] == env_name and s["log"] == target]
-            measured = raw_step(env_name, tool, request, work)
-            raw.append(
-                {
-                    "step": f"{env_name}:{op}",
-                    "project_s": ours[-1]["seconds"] if ours else None,
-                    "raw_s": measured["seconds"],
-                    "raw_rc": measured["rc"],
-                    # a raw run that failed measured nothing comparable
-                    "ratio": round(ours[-1]["seconds"] / measured["seconds"], 3)
-                    if ours and measured["rc"] == 0
-                    else None,
-                    "project_peak_rss_mib": ours[-1]["peak_rss_mib"] if ours else None,
-                    "raw_peak_rss_mib": measured["peak_rss_mib"],
-                    "project_peak_gpu_mib": ours[-1]["peak_gpu_mib"] if ours else None,
-                    "raw_peak_gpu_mib": measured["peak_gpu_mib"],
-                }
-            )
+            raw.append(raw_row(f"{env_name}:{op}", raw_step(env_name, tool, request, work), steps, target))
             write_results(json_out, rows)
     print(markdown(rows))
+
+
+def raw_row(step: str, measured: dict[str, Any], steps: list[dict[str, Any]], target: str) -> dict[str, Any]:
+    """One raw step beside the pipeline's same step of `target` (its manifest's build.steps)."""
+    env_name, op = step.split(":")
+    ours = [s for s in steps if s["op"] == op and s["env"] == env_name and s["log"] == target]
+    return {
+        "step": step,
+        "project_s": ours[-1]["seconds"] if ours else None,
+        "raw_s": measured["seconds"],
+        "raw_rc": measured["rc"],
+        # a raw run that failed measured nothing comparable
+        "ratio": round(ours[-1]["seconds"] / measured["seconds"], 3)
+        if ours and measured["rc"] == 0
+        else None,
+        "project_peak_rss_mib": ours[-1]["peak_rss_mib"] if ours else None,
+        "raw_peak_rss_mib": measured["peak_rss_mib"],
+        "project_peak_gpu_mib": ours[-1]["peak_gpu_mib"] if ours else None,
+        "raw_peak_gpu_mib": measured["peak_gpu_mib"],
+    }
 
 
 def write_results(json_out: Path, rows: list[dict[str, Any]]) -> None:
@@ -324,6 +426,25 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{num(r.get('build_seconds'), '.1f')} | {raw or '–'} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+KERNEL_LINE = re.compile(
+    r"Using (\w*Kernel\w*)(?: for (\w+))?|\b(\w*[Mm]arlin\w*|\w*[Mm]achete\w*|[Ee]x[Ll]lama\w*)\b"
+)
+
+
+def _kernels(log: Path, engine: str) -> list[str]:
+    """The linear kernels `engine` named while validating (its log sections of the target's build
+    log): vLLM says "Using MacheteLinearKernel for CompressedTensorsWNA16"; others name Marlin."""
+    if not log.is_file():
+        return []
+    found: dict[str, None] = {}
+    for section in log.read_text(errors="replace").split("\n=== ")[1:]:
+        if not section.startswith(f"pipeline.workers.{engine} op=validate"):
+            continue
+        for m in KERNEL_LINE.finditer(section):
+            found[" for ".join(g for g in m.groups()[:2] if g) if m.group(1) else m.group(3)] = None
+    return list(found)[:8]
 
 
 def _device() -> str:

@@ -3,7 +3,8 @@ step: the `raw` side of benchmarks/bench_gpu.py. Run in that tool's environment:
 
     python benchmarks/raw_tools.py TOOL REQUEST.json
 
-TOOL: llmcompressor (AWQ/GPTQ oneshot + save), modelopt (mtq.quantize + export_hf_checkpoint),
+TOOL: llmcompressor (AWQ/GPTQ oneshot + save), gptqmodel (GPTQModel load + quantize + save),
+modelopt (mtq.quantize + export_hf_checkpoint),
 vllm (LLM + prompt logprobs over the evaluation windows + greedy smoke generations),
 convert (llama.cpp's convert_hf_to_gguf.py), quantize (llama_model_quantize). REQUEST is the
 request the pipeline's worker got for that step, so the settings are the same. first-start: an
@@ -71,6 +72,37 @@ def llmcompressor(req: dict[str, Any]) -> None:
         shuffle_calibration_samples=False,
     )
     model.save_pretrained(req["out_dir"], save_compressed=True)
+    tok.save_pretrained(req["out_dir"])
+
+
+def gptqmodel(req: dict[str, Any]) -> None:
+    """GPTQModel's README way: load with a quantize config, quantize a list of tokenized rows, save."""
+    import torch
+    from gptqmodel import BACKEND, AWQConfig, GPTQConfig, GPTQModel
+    from gptqmodel.quantization import FORMAT
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(req["model_dir"])
+    rows = [{"input_ids": c, "attention_mask": [1] * len(c)} for c in _chunks(tok, req)]
+    common = {"bits": req["bits"], "group_size": req["group_size"], "sym": req["symmetric"]}
+    if req["method"] == "awq":
+        config: Any = AWQConfig(**common, format=FORMAT.GEMM)
+        backend = BACKEND.AWQ_TORCH
+    else:
+        config = GPTQConfig(
+            **common,
+            desc_act=req.get("act_order") is not None,
+            damp_percent=req["dampening_frac"],
+            true_sequential=True,
+            format=FORMAT.GPTQ,
+        )
+        backend = BACKEND.TORCH
+    gpu = torch.cuda.is_available()
+    model = GPTQModel.load(
+        req["model_dir"], config, device="cuda" if gpu else "cpu", dtype=getattr(torch, req["dtype"])
+    )
+    model.quantize(rows, batch_size=1, backend=backend)
+    model.save(req["out_dir"])
     tok.save_pretrained(req["out_dir"])
 
 
@@ -183,6 +215,7 @@ def first_start(req: dict[str, Any]) -> None:
 TOOLS = {
     "first-start": first_start,
     "llmcompressor": llmcompressor,
+    "gptqmodel": gptqmodel,
     "modelopt": modelopt,
     "vllm": vllm,
     "convert": convert,

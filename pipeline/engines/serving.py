@@ -1,6 +1,13 @@
 """The serve check on the core side, shared by the engines that serve over HTTP (vLLM, SGLang):
 the engine's worker runs the manifest's serve command once (pipeline.workers.serving), and a served
-answer that leaves the offline greedy answer fails that engine's verdict."""
+answer that leaves the offline greedy answer fails that engine's verdict.
+
+Like is compared with like: the offline answer comes from an eager engine (no CUDA graphs, no
+compilation), so the server runs the deploy command in eager mode too, adding the engine's eager
+flag where the command lacks it. CUDA graphs and torch.compile may round a near-tie the other way,
+and on random weights nearly every greedy step is a near-tie (a 7B random-weight FP8 checkpoint's
+compiled server chose a token outside the eager engine's top-5). `serve_check.modes` records which
+comparison was made; the deploy command in the manifest stays as the recipe wrote it."""
 
 from __future__ import annotations
 
@@ -23,17 +30,21 @@ def serve_check(
     command: str,
     scores: dict[str, Any],
     result: EngineVerdict,
+    eager_flag: str,
 ) -> None:
     """Run `command` for `artifact` in env's worker and record it in `result.details["serve_check"]`;
-    `scores` is the same engine's offline result (its greedy answer and top logprobs)."""
+    `scores` is the same engine's offline result (its greedy answer and top logprobs), obtained
+    eagerly; `eager_flag` is the server's flag that makes it eager too."""
     ref, _ = ctx.reference()
     expected = scores["generations"][0]
+    as_deployed = eager_flag in command.split()
+    checked = command if as_deployed else f"{command} {eager_flag}"
     served = ctx.step(
         env,
         {
             "op": "serve_check",
             "model_dir": str(artifact),
-            "command": command,
+            "command": checked,
             "prompt_ids": ref["generations"][0]["prompt_ids"],
             "max_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
             "expected_text": expected["text"],
@@ -44,6 +55,9 @@ def serve_check(
         },
         name,
         timeout_s=SERVE_TIMEOUT_S,
+    )
+    served["modes"] = "eager offline vs eager server (" + (
+        "the deploy command as it is)" if as_deployed else f"the deploy command + {eager_flag})"
     )
     result.details["serve_check"] = served
     if served["ok"]:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the target kinds import this module
     from pipeline.targets.base import BuildContext
 
 VALIDATE_TIMEOUT_S = 1800
+EAGER_FLAG = "--disable-cuda-graph"  # the offline engine's mode (disable_cuda_graph), for the serve check
 
 
 def serve_command(serve: ServeSpec, quantization: str, dtype: str) -> str:
@@ -30,7 +31,7 @@ def serve_command(serve: ServeSpec, quantization: str, dtype: str) -> str:
         f"--context-length {serve.sglang.context_length} "
         f"--mem-fraction-static {serve.sglang.mem_fraction_static}"
         + (f" --attention-backend {backend}" if backend else "")
-        + (" --disable-cuda-graph" if serve.sglang.disable_cuda_graph else "")
+        + (f" {EAGER_FLAG}" if serve.sglang.disable_cuda_graph else "")
     )
 
 
@@ -72,7 +73,7 @@ def validate(
             settings=got["settings"], device=got["device"], **details,
         )  # fmt: skip
         ctx.reporter.step(name, "serving once through sglang.launch_server")
-        serve_check(ctx, ENV_SGLANG, name, artifact, command, got, result)
+        serve_check(ctx, ENV_SGLANG, name, artifact, command, got, result, EAGER_FLAG)
     except EngineError as exc:  # SGLang's crash is SGLang's verdict; the vLLM one still stands
         return not_run("failed", str(exc), **details)
     return result

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the target kinds import this module
     from pipeline.targets.base import BuildContext
 
 VALIDATE_TIMEOUT_S = 1800
+EAGER_FLAG = "--enforce-eager"  # the offline engine's mode (enforce_eager), for the serve check
 
 
 def serve_command(serve: ServeSpec, quantization: str | None, dtype: str) -> str:
@@ -33,7 +34,7 @@ def serve_command(serve: ServeSpec, quantization: str | None, dtype: str) -> str
         f"--port {serve.port} --max-model-len {knobs.max_model_len} "
         f"--gpu-memory-utilization {knobs.gpu_memory_utilization}"
         + (f" --max-num-batched-tokens {batched}" if batched else "")
-        + (" --enforce-eager" if knobs.enforce_eager else "")
+        + (f" {EAGER_FLAG}" if knobs.enforce_eager else "")
     )
 
 
@@ -118,5 +119,5 @@ def validate(
     )
     if serve_command is not None:
         ctx.reporter.step(name, "serving once through vLLM's OpenAI server")
-        serve_check(ctx, ENV_VLLM, name, artifact, serve_command, got, result)
+        serve_check(ctx, ENV_VLLM, name, artifact, serve_command, got, result, EAGER_FLAG)
     return result

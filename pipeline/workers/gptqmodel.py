@@ -64,12 +64,15 @@ def _quantize(req: dict[str, Any]) -> dict[str, Any]:
     chunks = calibration_chunks(ids, req["samples"], req["seq_len"], req["seed"])
     calibration = [{"input_ids": c, "attention_mask": [1] * len(c)} for c in chunks]
     gpu = torch.cuda.is_available()
+    # The quantized modules GPTQModel builds in memory (it only saves them here) use its portable
+    # torch kernels, CPU or GPU: AUTO would pick AWQ GEMM / Marlin on CUDA, which it JIT-compiles
+    # with nvcc on first use (minutes on a fresh build server), for a model nobody runs here.
     common = {"bits": req["bits"], "group_size": req["group_size"], "sym": req["symmetric"]}
     if req["method"] == "awq":
         from gptqmodel import AWQConfig
 
         config: Any = AWQConfig(**common, format=FORMAT.GEMM)
-        backend = BACKEND.AUTO if gpu else BACKEND.AWQ_TORCH  # its default GEMM backend is CUDA-only
+        backend = BACKEND.AWQ_TORCH
     else:
         from gptqmodel import GPTQConfig
 
@@ -80,7 +83,7 @@ def _quantize(req: dict[str, Any]) -> dict[str, Any]:
             true_sequential=True,
             format=FORMAT.GPTQ,
         )
-        backend = BACKEND.AUTO
+        backend = BACKEND.TORCH
     model = GPTQModel.load(
         src,
         config,

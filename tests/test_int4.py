@@ -147,9 +147,10 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
     )
     ctx = Project.open(recipe).context()
     gates = Gates(max_ppl_delta_pct=5.0, max_kld_topk_mean=0.05)
+    # compiled, as a deploy command usually is: the check serves it eager, like the offline engine
     serve = (
         "python -m vllm.entrypoints.openai.api_server --model {model} --dtype bfloat16 "
-        "--host 127.0.0.1 --port 8000 --max-model-len 1024 --enforce-eager"
+        "--host 127.0.0.1 --port 8000 --max-model-len 1024"
     )
     good = vllm.validate(ctx, "tiny", tiny_llama, "bfloat16", gates, serve.format(model="${ARTIFACT_DIR}"))
     assert good.status == "passed", good.reason
@@ -159,14 +160,18 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
     assert good.metrics.kld_top_k == 64 and good.metrics.tokens_per_s and good.engine_version
     served = good.details["serve_check"]
     assert served["ok"] and served["compared"] == "token_ids"
+    assert served["modes"] == "eager offline vs eager server (the deploy command + --enforce-eager)"
+    assert served["command"].endswith("--max-model-len 1024 --enforce-eager")
     assert (
         served["token_ids"] == good.generations[0]["output_ids"]
         and served["text"] == good.generations[0]["text"]
     )
 
     other = _damaged_copy(tiny_llama, tmp_path / "damaged")
-    bad = vllm.validate(ctx, "tiny", tiny_llama, "bfloat16", gates, serve.format(model=other))
+    eager = serve.format(model=other) + " --enforce-eager"
+    bad = vllm.validate(ctx, "tiny", tiny_llama, "bfloat16", gates, eager)
     assert bad.status == "failed" and not bad.details["serve_check"]["ok"]
+    assert bad.details["serve_check"]["modes"].endswith("(the deploy command as it is)")
     assert bad.details["serve_check"]["compared"] == "token_ids"
     assert bad.reason is not None and bad.reason.startswith(
         "the served answer differs from the offline greedy answer (token_ids) from token 0 "

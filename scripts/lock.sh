@@ -18,11 +18,9 @@ compile envs/uv.lock envs/uv.txt
 compile envs/core.lock pyproject.toml envs/core.txt \
   --extra reference --extra llamacpp-server --extra dvc --extra report --extra cluster --extra datasets --extra dev
 compile envs/testdata.lock envs/testdata.txt --no-deps
-compile envs/llmcompressor.lock envs/llmcompressor.txt
-compile envs/gptqmodel.lock envs/gptqmodel.txt
-compile envs/modelopt.lock envs/modelopt.txt
-compile envs/guidellm.lock envs/guidellm.txt
-compile envs/vllm.lock envs/vllm.txt \
-  --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
-  --no-emit-package triton
+# every tool environment of pipeline/environments.py's table, with its own compile options
+while read -r name options; do
+  # shellcheck disable=SC2086  # options: zero or more words
+  compile "envs/$name.lock" "envs/$name.txt" $options
+done < <("${PYTHON:-python3}" -m pipeline.environments locked)
 echo "[lock] envs/*.lock written; review with: git diff --stat envs/"

@@ -50,7 +50,9 @@ mkdir -p .envs
 declare -A JOBS=()
 sync_env "$VENV" envs/core.lock envs/testdata.lock >".envs/core.setup.log" 2>&1 &
 JOBS[core]=$!
-for name in llmcompressor gptqmodel vllm modelopt guidellm; do
+# the tool environments: pipeline/environments.py's table (stdlib only: readable before any venv)
+TOOL_ENVS=$("${PYTHON:-python3}" -m pipeline.environments locked | cut -d' ' -f1)
+for name in $TOOL_ENVS; do
   sync_env ".envs/$name" "envs/$name.lock" >".envs/$name.setup.log" 2>&1 &
   JOBS[$name]=$!
 done

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from pipeline.environments import StepUsage, environment, run_step
+from pipeline.environments import StepUsage, environment, locked_environments, run_step
 from pipeline.errors import EngineError
 from pipeline.workers.protocol import group_rss_bytes
 
@@ -107,7 +109,7 @@ def test_cli_env_reports_every_environment() -> None:
     assert res.exit_code == 0, res.output
     status = json.loads(res.output)
     gpu_only = {"sglang", "trtllm"}
-    cpu = {"llamacpp", "transformers", "llmcompressor", "gptqmodel", "vllm", "modelopt", "guidellm"}
+    cpu = {"llamacpp", "transformers", *(env.name for env in locked_environments())}
     assert set(status) == cpu | gpu_only
     assert all(e["status"] == "ok" for name, e in status.items() if name not in gpu_only)
     vllm = status["vllm"]["toolchain"]
@@ -211,3 +213,17 @@ def test_group_rss_counts_every_process_of_the_group() -> None:
     while group_rss_bytes(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert group_rss_bytes(proc.pid) == 0
+
+
+def test_env_names_lists_the_tool_environments_setup_installs() -> None:
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    res = CliRunner().invoke(app, ["env", "--names"])
+    assert res.exit_code == 0, res.output
+    assert res.output.split() == ["llmcompressor", "gptqmodel", "vllm", "modelopt", "guidellm"]
+    script = subprocess.run(
+        [sys.executable, "-m", "pipeline.environments", "locked"], capture_output=True, text=True, check=True
+    )
+    assert [line.split()[0] for line in script.stdout.splitlines()] == res.output.split()

@@ -90,6 +90,17 @@ BUILTIN_TEXTS = {
     "gpl-3.0": "gpl-3.0.txt",  # GNU GPL v3: the default calibration text
 }
 
+# Every step has a time limit (seconds) by op: past it the step is killed with its process group and
+# the build gets one line naming the step and its limit. Generous for a 7B model on a CPU host; the
+# engine modules pass tighter ones for some steps, and a recipe's `step_limits_s: {op: seconds}`
+# replaces any of them.
+STEP_LIMITS_S: dict[str, float] = {
+    "toolchain": 600, "inspect": 600, "materialise_gguf": 3600, "serve_check": 900,
+    "reference": 6 * 3600, "convert": 6 * 3600, "kld_base": 6 * 3600, "kld": 6 * 3600,
+    "validate": 6 * 3600, "benchmark": 6 * 3600,
+    "imatrix": 12 * 3600, "quantize": 12 * 3600, "checkpoint": 12 * 3600, "build": 12 * 3600,
+}  # fmt: skip
+
 # Environment names: each engine/tool step runs with that environment's interpreter.
 ENV_LLAMACPP = "llamacpp"  # llama-cpp-python runtime + the converter and gguf-py of the same commit
 ENV_TRANSFORMERS = "transformers"  # torch + transformers: reference model, imatrix, materialising

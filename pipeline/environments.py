@@ -37,6 +37,7 @@ from pipeline.constants import (
     ENV_TRANSFORMERS,
     ENV_TRTLLM,
     ENV_VLLM,
+    STEP_LIMITS_S,
 )
 from pipeline.errors import DiskFullError, EngineError
 from pipeline.workers.protocol import UsageSampler, dying_with_parent, last_error_line
@@ -149,10 +150,12 @@ def run_step(
     """Run one op of env's worker in env; return its JSON result or raise a one-line error.
 
     The step's stdout/stderr go to `log_path` (appended) so a crash leaves its evidence. Past
-    `timeout_s` the step and every process it started (an engine server, say) are killed.
-    `on_usage` receives what the step cost (StepUsage), also when it failed.
+    `timeout_s` (default: the op's STEP_LIMITS_S) the step and every process it started (an engine
+    server, say) are killed. `on_usage` receives what the step cost (StepUsage), also when it failed.
     """
     spec = environment(env)
+    if timeout_s is None:
+        timeout_s = STEP_LIMITS_S.get(request.get("op", ""), max(STEP_LIMITS_S.values()))
     python, module = spec.interpreter, spec.worker
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pipeline-step-") as tmp:
@@ -188,7 +191,8 @@ def run_step(
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 raise EngineError(
-                    f"{module} {op}: timed out after {timeout_s:.0f}s (log: {log_path})"
+                    f"{module} {op}: timed out after {timeout_s:.0f}s, the step's limit (a recipe "
+                    f"sets it with step_limits_s: {{{op}: SECONDS}}) (log: {log_path})"
                 ) from None
             except BaseException:
                 _kill_group(proc)

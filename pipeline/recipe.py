@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.constants import BUILTIN_TEXTS, KNOWN_HUB_CONFIGS, PACKAGED_SOURCE_CONFIGS
+from pipeline.constants import BUILTIN_TEXTS, KNOWN_HUB_CONFIGS, PACKAGED_SOURCE_CONFIGS, STEP_LIMITS_S
 from pipeline.errors import RecipeError
 from pipeline.texts import HF_PREFIX, dataset_text, parse_hf_ref
 
@@ -239,7 +239,19 @@ class Recipe(Strict):
     smoke: SmokeSpec
     serve: ServeSpec = ServeSpec()
     serving_benchmark: ServingBenchmarkSpec = ServingBenchmarkSpec()
+    # time limit per step op in seconds, replacing the defaults (pipeline.constants.STEP_LIMITS_S)
+    step_limits_s: dict[str, float] = {}
     targets: dict[str, TargetSpec] = Field(min_length=1)
+
+    @field_validator("step_limits_s")
+    @classmethod
+    def _step_limits(cls, value: dict[str, float]) -> dict[str, float]:
+        for op, seconds in value.items():
+            if op not in STEP_LIMITS_S:
+                raise ValueError(f"unknown step {op!r} (steps: {', '.join(sorted(STEP_LIMITS_S))})")
+            if seconds <= 0:
+                raise ValueError(f"{op}: a limit must be more than 0 seconds, not {seconds}")
+        return value
 
     @field_validator("name")
     @classmethod

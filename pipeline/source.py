@@ -119,7 +119,7 @@ def _materialise_smollm2(log_path: Path) -> tuple[Path, dict[str, Any]]:
 
     def materialise(tmp: Path) -> None:
         request = {"op": "materialise_gguf", "gguf_path": str(gguf), "out_dir": str(tmp)}
-        result = run_step(ENV_TRANSFORMERS, request, log_path)
+        result = run_step(ENV_TRANSFORMERS, request, log_path)  # the op's default time limit
         (tmp / ".pipeline-source.json").write_text(json.dumps({**info, **result}, indent=2))
 
     key = json_sha256({**info, "materialiser": MATERIALISER_VERSION})

@@ -12,7 +12,9 @@ import pytest
 
 from pipeline.environments import StepUsage, environment, locked_environments, run_step
 from pipeline.errors import EngineError
+from pipeline.project import Project
 from pipeline.workers.protocol import group_rss_bytes
+from tests.conftest import write_recipe
 
 
 def _script(path: Path, body: str) -> str:
@@ -227,3 +229,36 @@ def test_env_names_lists_the_tool_environments_setup_installs() -> None:
         [sys.executable, "-m", "pipeline.environments", "locked"], capture_output=True, text=True, check=True
     )
     assert [line.split()[0] for line in script.stdout.splitlines()] == res.output.split()
+
+
+def test_a_hung_llama_cpp_step_of_a_build_is_killed_at_the_recipe_limit(
+    tiny_recipe_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF build whose llama.cpp convert hangs (a stand-in interpreter that answers `toolchain`
+    with the real worker and then never returns) ends at the recipe's limit for that step: one
+    line naming the step and its limit, its process group killed, nothing left staged."""
+    pidfile = tmp_path / "child.pid"
+    hang = (
+        'for a in "$@"; do case $a in *request.json) req=$a;; esac; done\n'
+        f'grep -q \'"op": "toolchain"\' "$req" && exec {sys.executable} "$@"\n'
+        f"sleep 300 & echo $! > {pidfile}; wait"
+    )
+    monkeypatch.setenv("PIPELINE_LLAMACPP_PYTHON", _script(tmp_path / "py", hang))
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", step_limits_s={"convert": 3})
+    [result] = Project.open(recipe).build(["gguf-f16"])
+    assert result.outcome == "error"
+    assert result.message.startswith(
+        "pipeline.workers.llamacpp convert: timed out after 3s, the step's limit"
+    ), result.message
+    assert "step_limits_s: {convert: SECONDS}" in result.message and "\n" not in result.message
+    assert _dies_within(int(pidfile.read_text()), "sleep", 5.0)
+    root = Path(os.environ["PIPELINE_ARTIFACTS"]) / "tiny"
+    assert not list(root.glob(".staging-*")) and not (root / "gguf-f16").exists()
+
+
+def test_a_recipe_limit_for_an_unknown_step_is_refused(tiny_recipe_dir: Path) -> None:
+    from pipeline.errors import RecipeError
+    from pipeline.recipe import load_recipe
+
+    with pytest.raises(RecipeError, match=r"step_limits_s.*unknown step 'conver'"):
+        load_recipe(write_recipe(tiny_recipe_dir / "tiny.yaml", step_limits_s={"conver": 3}))

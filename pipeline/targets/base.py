@@ -63,8 +63,10 @@ class BuildContext:
         self, env: str, request: dict[str, Any], log: str, timeout_s: float | None = None
     ) -> dict[str, Any]:
         """Run one op of env's worker (pipeline.environments.run_step), logging to `<log>.log`;
-        what it cost is appended to `steps`."""
-        return run_step(env, request, self.log_path(log), timeout_s, on_usage=self.steps.append)
+        what it cost is appended to `steps`. The recipe's `step_limits_s` for the op beats
+        `timeout_s`, which beats the op's default limit."""
+        limit = self.loaded.recipe.step_limits_s.get(request.get("op", ""), timeout_s)
+        return run_step(env, request, self.log_path(log), limit, on_usage=self.steps.append)
 
     def toolchain(self, env: str) -> dict[str, Any]:
         """What env's worker says of itself: `toolchain` (versions), sometimes `gpu`; asked once."""

@@ -1,8 +1,9 @@
-# The README's two commands are `make build` and `make test`; both set up .venv first.
+# The README's commands: `make build`, `make check` (the fast loop while editing) and `make test`
+# (the whole suite: what CI runs); each sets up .venv first.
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup build test lint bench lock
+.PHONY: setup build check test lint bench lock
 setup: $(VENV)/.setup-done
 
 $(VENV)/.setup-done: scripts/setup.sh scripts/uv.sh pyproject.toml $(wildcard envs/*.lock)
@@ -11,6 +12,10 @@ $(VENV)/.setup-done: scripts/setup.sh scripts/uv.sh pyproject.toml $(wildcard en
 
 build: setup  ## build + validate every target of the default recipe
 	$(BIN)/pipeline build recipes/smollm2-135m.yaml
+
+check: setup  ## lint + every test that starts no engine or build (tests marked `slow` left out): ~2 min
+	$(BIN)/ruff check pipeline tests benchmarks
+	$(BIN)/pytest -q -m "not slow" --durations=5
 
 test: setup  ## lint + the test suite (includes a real end-to-end build)
 	$(BIN)/ruff check pipeline tests benchmarks

@@ -61,6 +61,7 @@ def kld(gguf: Path, base: Path, log: Path) -> dict:
     return step({"op": "kld", "gguf_path": str(gguf), "kld_base_path": str(base), "ctx": 128}, log)
 
 
+@pytest.mark.slow  # an engine or a build: left out of `make check`
 def test_the_f16_file_against_its_own_base_is_zero_and_q4_0_is_not(
     ggufs: dict[str, Path], kld_base: tuple[Path, dict], tmp_path: Path
 ) -> None:

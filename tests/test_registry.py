@@ -447,6 +447,7 @@ def _git_dvc(ws: Path, *cmd: str) -> None:
     )
 
 
+@pytest.mark.slow  # an engine or a build: left out of `make check`
 def test_dvc_coordinates_are_given_only_when_true(tmp_path: Path) -> None:
     """`resolve` calls a version fetchable with `dvc get --rev` only when HEAD's dvc.lock records
     its bytes and the default remote holds them; `promote` refuses one a deploy job cannot fetch

@@ -158,6 +158,7 @@ def _ctx(recipe: Path, root: Path) -> BuildContext:
     return Project.open(recipe, root=root).context()
 
 
+@pytest.mark.slow  # an engine or a build: left out of `make check`
 def test_modelopt_checkpoint_step_runs_on_cpu(tiny_engine_recipe: Path, _isolated_artifacts: Path) -> None:
     """The engine targets' first step (ModelOpt calibration + TensorRT-LLM checkpoint export) is
     real here: its config.json says what the recipe asked for, and it is reused while unchanged."""
@@ -196,6 +197,7 @@ def test_modelopt_checkpoint_step_runs_on_cpu(tiny_engine_recipe: Path, _isolate
     )
 
 
+@pytest.mark.slow  # an engine or a build: left out of `make check`
 def test_calibration_set_too_small_is_one_clear_error(tmp_path: Path, tiny_llama: Path) -> None:
     (tmp_path / "model").symlink_to(tiny_llama)
     recipe = write_recipe(
@@ -230,6 +232,7 @@ def _read_manifest(root: Path, target: str) -> dict:
     return json.loads((root / "tiny" / target / "manifest.json").read_text())
 
 
+@pytest.mark.slow  # an engine or a build: left out of `make check`
 def test_modelopt_fp8_hf_checkpoint_builds_here_and_says_why_it_is_not_validated(
     tmp_path: Path, tiny_llama: Path, _isolated_artifacts: Path
 ) -> None:

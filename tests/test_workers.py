@@ -100,6 +100,7 @@ def test_toolchain_reports_the_llama_cpp_commit(tmp_path: Path) -> None:
     assert "AMX_INT8 = 1" not in res["system_info"], "llama-cpp-python must be a portable build"
 
 
+@pytest.mark.slow  # an engine or a build: left out of `make check`
 def test_cli_env_reports_every_environment() -> None:
     import json
 

@@ -9,9 +9,12 @@
 #   benchmarks/gpu/run_h200.sh qwen2-7b T R 7B-shaped random checkpoint, targets T of
 #                                           benchmarks/gpu/qwen2-7b-shape.yaml (T=gguf: the Llama-declared one)
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment)
-#   benchmarks/gpu/run_h200.sh start T R    in the background (setsid, outliving the call): the
-#                                           qwen2-7b mode with targets T and raw steps R, and beside
-#                                           it the tests mode; their logs under /tmp/pipeline-bg
+#   benchmarks/gpu/run_h200.sh start T R [T2 R2]  in the background (setsid, outliving the call):
+#                                           the qwen2-7b mode with targets T and raw steps R, a second
+#                                           build stream with T2/R2 if given (other targets of the same
+#                                           recipe: per-target build locks, shared steps wait for each
+#                                           other), and beside them the tests mode; logs under
+#                                           /tmp/pipeline-bg, results h200-DATE-<stream>.json
 #   benchmarks/gpu/run_h200.sh collect      what `start` has so far (logs, results) into $OUT
 # Artifacts and the accumulated results stay in /tmp/pipeline-work (outside the checkout, which each
 # call lays afresh). Each mode stops itself after LIMIT_S seconds (default 540) so that what it
@@ -20,25 +23,30 @@ set -uo pipefail
 BG=/tmp/pipeline-bg
 case "${1:-}" in
   start)  # two background streams; each its own OUT under $BG, no per-call limit
-    rm -rf "$BG" && mkdir -p "$BG/build" "$BG/tests"
+    rm -rf "$BG" && mkdir -p "$BG/build" "$BG/build2" "$BG/tests"
     here=$(cd "$(dirname "$0")/../.." && pwd) && rm -rf /tmp/pipeline-checkout && cp -r "$here" /tmp/pipeline-checkout
     cd /tmp/pipeline-checkout  # the call's checkout is laid afresh by the next call
     pkill -9 -f 'pipeline[.]workers[.]|raw_tools[.]py|vllm[.]entrypoints|sglang[.]launch_server|VLLM::|sglang::' || true
     export NOCLEAN=1  # neither stream's exit may end the other's workers
-    OUT=$BG/build LIMIT_S=7200 setsid nohup benchmarks/gpu/run_h200.sh qwen2-7b "${2:-}" "${3:-}" >"$BG/build.log" 2>&1 </dev/null &
+    OUT=$BG/build LIMIT_S=7200 STREAM=a setsid nohup benchmarks/gpu/run_h200.sh qwen2-7b "${2:-}" "${3:-}" >"$BG/build.log" 2>&1 </dev/null &
+    if [ -n "${4:-}" ]; then
+      sleep 5  # the first stream takes the checkpoint lock
+      OUT=$BG/build2 LIMIT_S=7200 STREAM=b setsid nohup benchmarks/gpu/run_h200.sh qwen2-7b "$4" "${5:-}" >"$BG/build2.log" 2>&1 </dev/null &
+    fi
     OUT=$BG/tests LIMIT_S=7200 setsid nohup benchmarks/gpu/run_h200.sh tests >"$BG/tests.log" 2>&1 </dev/null &
     sleep 2; echo "started: $(pgrep -fc run_h200.sh) run_h200.sh processes"; exit 0
     ;;
   collect)
     mkdir -p "$OUT"
     tail -c 6000 "$BG/build.log" > "$OUT/build-tail.log" 2>/dev/null
+    tail -c 6000 "$BG/build2.log" > "$OUT/build2-tail.log" 2>/dev/null
     tail -c 6000 "$BG/tests.log" > "$OUT/tests-tail.log" 2>/dev/null
     # the results so far (bench_gpu.py rewrites them after every step), the streams' own logs
-    cp /tmp/pipeline-work/h200-*.json "$BG"/build/qwen2-7b-*.log "$BG"/tests/pytest-gpu.log \
+    cp /tmp/pipeline-work/h200-*.json "$BG"/build*/qwen2-7b-*.log "$BG"/tests/pytest-gpu.log \
       /tmp/pipeline-work/*.activations.json "$OUT/" 2>/dev/null
     (cd /tmp/pipeline-work/artifacts 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' \
       -o -name reference.json -o -name '*.activations.json' | tar -czf "$OUT/artifacts-bg.tgz" -T - 2>/dev/null)
-    tail -n 25 "$BG/build.log"; echo ---; tail -n 15 "$BG/tests.log"
+    tail -n 20 "$BG/build.log"; echo ---; tail -n 20 "$BG/build2.log" 2>/dev/null; echo ---; tail -n 12 "$BG/tests.log"
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader; exit 0
     ;;
 esac
@@ -53,7 +61,7 @@ for env in vllm llmcompressor gptqmodel modelopt sglang; do
   [ -x "/tmp/pipeline-envs/$env/python" ] && export "PIPELINE_${env^^}_PYTHON=/tmp/pipeline-envs/$env/python"
 done
 [ "${SGLANG:-1}" = 0 ] && unset PIPELINE_SGLANG_PYTHON
-RESULTS=$WORK/h200-$(date -u +%Y-%m-%d).json  # bench_gpu.py adds rows after every step
+RESULTS=$WORK/h200-$(date -u +%Y-%m-%d)${STREAM:+-$STREAM}.json  # bench_gpu.py adds rows after every step
 bench() { timeout -k 10 "$LIMIT_S" python3 benchmarks/bench_gpu.py "$@"; }
 # Workers run in their own sessions (for their memory sampling), so a step cut off by a limit
 # outlives this call and would hold the GPU: end any left from an earlier call, and this call's.
@@ -83,10 +91,14 @@ case "${1:-}" in
   qwen2-7b)
     tokenizer=$(source_dir)  # SmolLM2's tokenizer
     arch=qwen2; [ "${2:-}" = gguf ] && arch=llama
+    # a second stream (start T R T2 R2) waits here for the first one's checkpoint
+    exec 9>"$WORK/checkpoint.lock" && flock 9
     [ -f "$WORK/qwen2-7b-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
       "$WORK/qwen2-7b-$arch" --arch $arch --tokenizer "$tokenizer"
-    sed "s#@WORK@#$WORK#g" benchmarks/gpu/qwen2-7b-shape.yaml > "$WORK/qwen2-7b-shape.yaml"
-    sed "s#@WORK@#$WORK#g" benchmarks/gpu/qwen2-7b-shape-llama.yaml > "$WORK/qwen2-7b-shape-llama.yaml"
+    for r in qwen2-7b-shape qwen2-7b-shape-llama; do  # replaced whole: the other stream may be reading it
+      sed "s#@WORK@#$WORK#g" "benchmarks/gpu/$r.yaml" > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
+    done
+    flock -u 9
     recipe=$WORK/qwen2-7b-shape.yaml targets=${2:-modelopt-fp8}
     [ "$arch" = llama ] && recipe=$WORK/qwen2-7b-shape-llama.yaml targets=gguf-q8_0,gguf-q4_0,gguf-iq4_xs
     bench run "$recipe" --targets "$targets" --model "qwen2-7b-shape ($arch)" \

@@ -179,6 +179,15 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
     assert not bad.details["serve_check"]["divergence"]["near_tie"]
     assert str(good.generations[0]["output_ids"]) in bad.reason
 
+    # a server that exits before it is ready (on the H200, SGLang's missing `soundfile`): the
+    # verdict fails on the serve check and keeps the offline scores it measured
+    broken = vllm.validate(ctx, "tiny", tiny_llama, "bfloat16", gates, eager + " --no-such-flag")
+    assert broken.status == "failed" and broken.reason is not None
+    assert broken.reason.startswith("the serve check's server did not answer: "), broken.reason
+    assert "exited with code" in broken.reason and "--no-such-flag" in broken.reason
+    assert broken.metrics is not None and broken.metrics.kld_topk_mean == good.metrics.kld_topk_mean
+    assert broken.details["serve_check"]["ok"] is False and broken.details["serve_check"]["error"]
+
 
 def test_the_serve_knobs_reach_both_engines_commands() -> None:
     serve = ServeSpec(

@@ -106,7 +106,7 @@ case "${1:-}" in
       --json "$RESULTS" 2>&1 | tee "$OUT/qwen2-7b-${targets//,/_}.log" | tail -c 20000
     ;;
   tests)
-    timeout -k 10 "$LIMIT_S" python3 -m pytest -q -m gpu tests/ --durations=8 2>&1 | tee "$OUT/pytest-gpu.log" | tail -c 8000
+    timeout -k 10 "$LIMIT_S" python3 -m pytest -v -rfE -m gpu tests/ --durations=8 2>&1 | tee "$OUT/pytest-gpu.log" | tail -c 8000
     ;;
   *) echo "usage: $0 warm|smollm2|qwen2-7b|tests" >&2; exit 2 ;;
 esac

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.errors import EngineError
 from pipeline.manifest import EngineVerdict
 
 if TYPE_CHECKING:  # the target kinds import this module
@@ -39,26 +40,33 @@ def serve_check(
     expected = scores["generations"][0]
     as_deployed = eager_flag in command.split()
     checked = command if as_deployed else f"{command} {eager_flag}"
-    served = ctx.step(
-        env,
-        {
-            "op": "serve_check",
-            "model_dir": str(artifact),
-            "command": checked,
-            "prompt_ids": ref["generations"][0]["prompt_ids"],
-            "max_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
-            "expected_text": expected["text"],
-            "expected_ids": expected["output_ids"],
-            "expected_top": scores.get("first_generation_top_logprobs") or [],
-            "server_log": str(ctx.log_path(f"{name}-{env}-server")),
-            "ready_timeout_s": SERVE_TIMEOUT_S - 240,  # + the request and shutdown < the step limit
-        },
-        name,
-        timeout_s=SERVE_TIMEOUT_S,
-    )
-    served["modes"] = "eager offline vs eager server (" + (
+    modes = "eager offline vs eager server (" + (
         "the deploy command as it is)" if as_deployed else f"the deploy command + {eager_flag})"
     )
+    try:
+        served = ctx.step(
+            env,
+            {
+                "op": "serve_check",
+                "model_dir": str(artifact),
+                "command": checked,
+                "prompt_ids": ref["generations"][0]["prompt_ids"],
+                "max_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
+                "expected_text": expected["text"],
+                "expected_ids": expected["output_ids"],
+                "expected_top": scores.get("first_generation_top_logprobs") or [],
+                "server_log": str(ctx.log_path(f"{name}-{env}-server")),
+                "ready_timeout_s": SERVE_TIMEOUT_S - 240,  # + the request and shutdown < the step limit
+            },
+            name,
+            timeout_s=SERVE_TIMEOUT_S,
+        )
+    except EngineError as exc:  # the server never answered: the offline scores still stand
+        result.details["serve_check"] = {"ok": False, "command": checked, "modes": modes, "error": str(exc)}
+        result.status = "failed"
+        result.reason = f"the serve check's server did not answer: {exc}"
+        return
+    served["modes"] = modes
     result.details["serve_check"] = served
     if served["ok"]:
         return

@@ -40,6 +40,11 @@ def artifacts_root() -> Path:
     return Path(os.environ.get("PIPELINE_ARTIFACTS", "artifacts"))
 
 
+def cache_root() -> Path:
+    """Where materialised sources and hash memos live (PIPELINE_CACHE, else ~/.cache/pipeline)."""
+    return Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where one recipe's artifacts, caches, logs and staging dirs live."""

@@ -39,12 +39,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.artifacts import build_lock, cached_step, read_key, remove_path, sweep_leftovers, verify_files
 from pipeline.constants import ENV_GUIDELLM, ENV_TRANSFORMERS, STATUS_UNAVAILABLE
+from pipeline.context import NullReporter, Reporter
 from pipeline.environments import ENVIRONMENTS
 from pipeline.errors import BuildError, EngineError, PipelineError
 from pipeline.manifest import Manifest
 from pipeline.project import Project, TargetResult
 from pipeline.targets import Target
-from pipeline.targets.base import NullReporter, Reporter
 from pipeline.workers.protocol import is_disk_full
 
 RESOURCE_ENV = "pipeline-env-"

@@ -29,16 +29,17 @@ from pipeline.constants import (
     STATUS_PASSED,
     STATUS_UNAVAILABLE,
 )
+from pipeline.context import BuildContext, NullReporter, Reporter
 from pipeline.environments import environment_exists
 from pipeline.errors import DiskFullError, PipelineError, RecipeError, RegistryError
 from pipeline.hashing import json_sha256
 from pipeline.manifest import BuildInfo, Manifest, ServeInfo, StepRecord, read_manifest, write_manifest
-from pipeline.recipe import LoadedRecipe, load_recipe
+from pipeline.recipe import load_recipe
 from pipeline.registry import Registry
 from pipeline.serving import benchmark
 from pipeline.source import resolve_source
-from pipeline.targets import BuildContext, Target
-from pipeline.targets.base import NullReporter, Reporter
+from pipeline.spec import LoadedRecipe
+from pipeline.targets import Target
 from pipeline.workers.protocol import is_disk_full
 
 # What `dvc metrics show` and the report list for each target (besides status, engine, size).

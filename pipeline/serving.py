@@ -9,15 +9,12 @@ never becomes ready, a load generator that fails or times out is recorded as `fa
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pipeline.constants import ENGINE_VERSION_SOURCES, ENGINE_VLLM, ENV_GUIDELLM, STATUS_PASSED, VLLM_CPU_ENV
+from pipeline.context import BuildContext
 from pipeline.environments import environment_exists, interpreter
 from pipeline.errors import DiskFullError, EngineError
 from pipeline.manifest import ServingLevel, ServingResult, Validation
-
-if TYPE_CHECKING:
-    from pipeline.targets.base import BuildContext
 
 READY_TIMEOUT_S = 600  # a vLLM CPU server's first start compiles for minutes
 SERVED_ENGINES = ("llama.cpp", "vllm", "sglang")  # engines whose serve command is an OpenAI server

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import cached_step
+from pipeline.artifacts import cache_root, cached_step
 from pipeline.constants import (
     ENV_TRANSFORMERS,
     HUB_ALLOW_PATTERNS,
@@ -20,15 +19,10 @@ from pipeline.constants import (
 from pipeline.environments import run_step
 from pipeline.errors import SourceError
 from pipeline.hashing import dir_sha256, file_sha256, json_sha256
-from pipeline.recipe import LoadedRecipe, SourceSpec
+from pipeline.spec import LoadedRecipe, SourceSpec
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MATERIALISER_VERSION = 3  # bump when op_materialise_gguf changes what it writes
-
-
-def cache_root() -> Path:
-    """Where materialised sources and hash memos live (PIPELINE_CACHE, else ~/.cache/pipeline)."""
-    return Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,9 @@ from typing import Any
 
 import yaml
 
+from pipeline.artifacts import cached_step
 from pipeline.errors import SourceError
+from pipeline.hashing import json_sha256
 
 HF_PREFIX = "hf:"
 TEXTS_VERSION = 1  # part of the cache key: bump when the rows-to-text rule below changes
@@ -62,9 +64,6 @@ def parse_hf_ref(value: str) -> HfTextRef:
 def dataset_text(ref: HfTextRef, cache: Path) -> Path:
     """The text file of `ref` under `cache`, fetched and written on first use (SourceError when the
     dataset cannot be had: offline and not cached, no such config/split/column, no rows)."""
-    from pipeline.artifacts import cached_step
-    from pipeline.hashing import json_sha256
-
     out = cache / "texts" / f"{ref.repo.replace('/', '--')}@{ref.revision[:12]}" / ref.config
     out = out / f"{ref.split}.{ref.column}"
     key = json_sha256({"ref": str(ref), "version": TEXTS_VERSION})

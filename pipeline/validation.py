@@ -4,14 +4,12 @@ version. Every engine's validation goes through here, so a verdict means the sam
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline.constants import ENGINE_KLD_METRIC, ENGINE_VERSION_SOURCES, KLD_GATES
+from pipeline.context import BuildContext
 from pipeline.manifest import EngineVerdict, Metrics, Status
-from pipeline.recipe import Gates
-
-if TYPE_CHECKING:  # the target kinds import this module
-    from pipeline.targets.base import BuildContext
+from pipeline.spec import Gates
 
 # Numbers every worker reports (pipeline.workers.scoring); the rest of a worker's result goes to
 # the verdict's details or is dropped.

@@ -11,12 +11,12 @@ import yaml
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from pipeline.context import BuildContext
 from pipeline.environments import environment
 from pipeline.errors import EngineError, RecipeError
 from pipeline.project import Project
 from pipeline.recipe import load_recipe
 from pipeline.registry import Registry
-from pipeline.targets import BuildContext
 from pipeline.targets.trtllm import QUANT_ALGO, TrtllmTarget, check_checkpoint_config
 from tests.conftest import GPU_TEST_SHARE, REPO, require_environments, write_recipe
 

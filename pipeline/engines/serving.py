@@ -12,13 +12,11 @@ comparison was made; the deploy command in the manifest stays as the recipe wrot
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pipeline.context import BuildContext
 from pipeline.errors import EngineError
 from pipeline.manifest import EngineVerdict
-
-if TYPE_CHECKING:  # the target kinds import this module
-    from pipeline.targets.base import BuildContext
 
 SERVE_TIMEOUT_S = 900
 

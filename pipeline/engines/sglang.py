@@ -5,18 +5,15 @@ build servers); `skipped` with the reason elsewhere."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pipeline.constants import ENGINE_SGLANG, ENV_SGLANG
+from pipeline.context import BuildContext
 from pipeline.engines.serving import serve_check
 from pipeline.environments import environment
 from pipeline.errors import EngineError
 from pipeline.manifest import EngineVerdict
-from pipeline.recipe import Gates, ServeSpec
+from pipeline.spec import Gates, ServeSpec
 from pipeline.validation import not_run, verdict
-
-if TYPE_CHECKING:  # the target kinds import this module
-    from pipeline.targets.base import BuildContext
 
 VALIDATE_TIMEOUT_S = 1800
 EAGER_FLAG = "--disable-cuda-graph"  # the offline engine's mode (disable_cuda_graph), for the serve check

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline.constants import ENGINE_VLLM, ENV_VLLM
+from pipeline.context import BuildContext
 from pipeline.engines.serving import serve_check
 from pipeline.manifest import EngineVerdict
-from pipeline.recipe import Gates, ServeSpec
+from pipeline.spec import Gates, ServeSpec
 from pipeline.validation import not_run, verdict
-
-if TYPE_CHECKING:  # the target kinds import this module
-    from pipeline.targets.base import BuildContext
 
 VALIDATE_TIMEOUT_S = 1800
 EAGER_FLAG = "--enforce-eager"  # the offline engine's mode (enforce_eager), for the serve check

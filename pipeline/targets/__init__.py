@@ -2,6 +2,6 @@
 kind: one module here and its import below."""
 
 from pipeline.targets import gguf, int4, modelopt, trtllm  # noqa: F401  (importing registers them)
-from pipeline.targets.base import KINDS, BuildContext, BuildOutput, Target
+from pipeline.targets.base import BuildOutput, Target
 
-__all__ = ["KINDS", "BuildContext", "BuildOutput", "Target"]
+__all__ = ["BuildOutput", "Target"]

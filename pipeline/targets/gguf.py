@@ -19,10 +19,11 @@ from pipeline.constants import (
     GGUF_FILE,
     GGUF_QUANTS,
 )
+from pipeline.context import BuildContext
 from pipeline.hashing import file_sha256
 from pipeline.manifest import Validation
-from pipeline.recipe import ServeSpec
-from pipeline.targets.base import BuildContext, BuildOutput, Target, register
+from pipeline.spec import ServeSpec
+from pipeline.targets.base import BuildOutput, Target, register
 from pipeline.validation import reference_record, verdict
 from pipeline.workers.calibration import SELECTION_VERSION
 

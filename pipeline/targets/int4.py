@@ -22,12 +22,13 @@ from pipeline.constants import (
     ENV_SGLANG,
     ENV_VLLM,
 )
+from pipeline.context import BuildContext
 from pipeline.engines import sglang, vllm
 from pipeline.environments import environment_exists
 from pipeline.hashing import file_sha256
 from pipeline.manifest import Validation
-from pipeline.recipe import CalibrationOverride, ServeSpec
-from pipeline.targets.base import BuildContext, BuildOutput, Target, register
+from pipeline.spec import CalibrationOverride, ServeSpec
+from pipeline.targets.base import BuildOutput, Target, register
 from pipeline.validation import reference_record
 
 QUANTIZE_TIMEOUT_S = 6 * 3600

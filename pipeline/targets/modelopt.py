@@ -16,11 +16,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import field_validator, model_validator
 
 from pipeline.constants import ENGINE_TRTLLM, ENGINE_VLLM, ENV_MODELOPT, ENV_VLLM
+from pipeline.context import BuildContext
 from pipeline.engines import vllm
 from pipeline.errors import BuildError
 from pipeline.manifest import Validation
-from pipeline.recipe import CalibrationOverride, ServeSpec
-from pipeline.targets.base import BuildContext, BuildOutput, Target, gpu_arch_number, known_gpu_arch, register
+from pipeline.spec import CalibrationOverride, ServeSpec
+from pipeline.targets.base import BuildOutput, Target, gpu_arch_number, known_gpu_arch, register
 from pipeline.validation import not_run, reference_record
 
 CHECKPOINT_TIMEOUT_S = 6 * 3600

@@ -23,12 +23,13 @@ from pydantic import Field, field_validator, model_validator
 
 from pipeline.artifacts import Layout
 from pipeline.constants import ENGINE_TRTLLM, ENV_MODELOPT, ENV_TRTLLM
+from pipeline.context import BuildContext
 from pipeline.environments import environment
 from pipeline.errors import BuildError, EngineError
 from pipeline.hashing import file_sha256
 from pipeline.manifest import Validation
-from pipeline.recipe import CalibrationOverride, ServeSpec, Strict
-from pipeline.targets.base import BuildContext, BuildOutput, Target, gpu_arch_number, known_gpu_arch, register
+from pipeline.spec import CalibrationOverride, ServeSpec, Strict
+from pipeline.targets.base import BuildOutput, Target, gpu_arch_number, known_gpu_arch, register
 from pipeline.targets.modelopt import checkpoint_request
 from pipeline.validation import not_run, reference_record, verdict
 from pipeline.workers.calibration import SELECTION_VERSION

@@ -1,0 +1,140 @@
+"""The build context every target of one recipe build shares: the recipe, the resolved source,
+the layout, the transformers reference, steps in environments and what they cost. Below the
+target kinds and the engines, which take it as their first argument."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from pipeline.artifacts import Layout, cached_step, read_key
+from pipeline.constants import ENV_TRANSFORMERS
+from pipeline.environments import StepUsage, run_step
+from pipeline.hashing import file_sha256, json_sha256
+from pipeline.source import ResolvedSource
+from pipeline.spec import CalibrationOverride, LoadedRecipe
+
+
+class Reporter(Protocol):
+    """Where the library reports progress; the CLI draws it, tests may ignore it."""
+
+    def step(self, target: str, message: str) -> None: ...
+
+
+class NullReporter:
+    def step(self, target: str, message: str) -> None:
+        pass
+
+
+@dataclass
+class BuildContext:
+    """What every target of one recipe build shares: source, layout, the reference, environments."""
+
+    loaded: LoadedRecipe
+    source_resolver: Callable[[], ResolvedSource]
+    layout: Layout
+    reporter: Reporter = field(default_factory=NullReporter)
+    threads: int = 0  # 0: let the engine decide
+    node: str | None = None  # the Ray node building, in a cluster build (pipeline.cluster)
+    steps: list[StepUsage] = field(default_factory=list)  # every step run so far, in order
+    _toolchains: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _reference: dict[str, Any] | None = None
+    _source: ResolvedSource | None = None
+
+    @property
+    def source(self) -> ResolvedSource:
+        """The resolved source checkpoint (resolved, downloaded or materialised on first use)."""
+        if self._source is None:
+            self.reporter.step("source", "resolving source checkpoint")
+            self._source = self.source_resolver()
+        return self._source
+
+    def log_path(self, name: str) -> Path:
+        return self.layout.logs_dir / f"{name}.log"
+
+    def step(
+        self, env: str, request: dict[str, Any], log: str, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Run one op of env's worker (pipeline.environments.run_step), logging to `<log>.log`;
+        what it cost is appended to `steps`. The recipe's `step_limits_s` for the op beats
+        `timeout_s`, which beats the op's default limit."""
+        limit = self.loaded.recipe.step_limits_s.get(request.get("op", ""), timeout_s)
+        return run_step(env, request, self.log_path(log), limit, on_usage=self.steps.append)
+
+    def toolchain(self, env: str) -> dict[str, Any]:
+        """What env's worker says of itself: `toolchain` (versions), sometimes `gpu`; asked once."""
+        if env not in self._toolchains:
+            self._toolchains[env] = self.step(env, {"op": "toolchain"}, "toolchain")
+        return self._toolchains[env]
+
+    def versions(self, env: str) -> dict[str, str | None]:
+        return self.toolchain(env)["toolchain"]
+
+    def cached(self, name: str, inputs: dict[str, Any], produce: Callable[[Path], None]) -> Path:
+        """`.cache/<name>/` computed by `produce` from `inputs` (pipeline.artifacts.cached_step)."""
+        path = self.layout.cache_dir / name
+        return cached_step(path, json_sha256(inputs), produce, self.layout.lock_path(f"cache-{name}"))
+
+    def reference_inputs(self) -> dict[str, Any]:
+        r = self.loaded.recipe
+        return {
+            "source": self.source.sha256,
+            "eval_text": file_sha256(self.loaded.text_path(r.evaluation.text)),
+            "evaluation": r.evaluation.model_dump(),
+            "smoke": r.smoke.model_dump(),
+            "toolchain": self.versions(ENV_TRANSFORMERS),
+        }
+
+    def reference(self) -> tuple[dict[str, Any], Path]:
+        """The transformers reference on the source, in the fixed directory DVC's reference stage
+        declares: computed once per inputs."""
+        r = self.loaded.recipe
+        out = self.layout.reference_dir
+
+        def compute(tmp: Path) -> None:
+            self.reporter.step("reference", "computing the transformers reference")
+            result = self.step(
+                ENV_TRANSFORMERS,
+                {
+                    "op": "reference",
+                    "model_dir": str(self.source.path),
+                    "trust_remote_code": r.source.trust_remote_code,
+                    "eval_text_path": str(self.loaded.text_path(r.evaluation.text)),
+                    "eval_tokens": r.evaluation.tokens,
+                    "ctx": r.evaluation.ctx,
+                    "prompts": r.smoke.prompts,
+                    "max_new_tokens": r.smoke.max_new_tokens,
+                    "chat": r.smoke.chat,
+                    "out_dir": str(tmp),
+                },
+                "reference",
+            )
+            (tmp / "reference.json").write_text(json.dumps(result))
+
+        key = self.reference_key()
+        if read_key(out) != key:
+            self._reference = None
+        cached_step(out, key, compute, self.layout.lock_path("reference"))
+        if self._reference is None:
+            self._reference = json.loads((out / "reference.json").read_text())
+        return self._reference, out
+
+    def reference_key(self) -> str:
+        """The hash of the reference's inputs (what its directory is recomputed on)."""
+        return json_sha256(self.reference_inputs())
+
+    def calibration_request(self, override: CalibrationOverride) -> dict[str, Any]:
+        """The calibration fields of a quantizer's request: the recipe's text with the target's
+        own sample count / length (no text: nothing to calibrate, e.g. an FP16 engine)."""
+        cal = self.loaded.recipe.calibration
+        if cal is None:
+            return {"text_path": None, "samples": 0, "seq_len": 0, "seed": 0}
+        return {
+            "text_path": str(self.loaded.text_path(cal.dataset)),
+            "samples": override.samples or cal.samples,
+            "seq_len": override.seq_len or cal.seq_len,
+            "seed": cal.seed,
+        }

@@ -5,6 +5,7 @@ in KINDS; reading a recipe file is pipeline.recipe."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +18,7 @@ from pipeline.texts import HF_PREFIX, dataset_text, parse_hf_ref
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")  # RFC 1123
 
 
 class Strict(BaseModel):
@@ -177,6 +179,20 @@ class ServeSpec(Strict):
     vllm: VllmServe = VllmServe()
     sglang: SglangServe = SglangServe()
     trtllm: TrtllmServe = TrtllmServe()
+
+    @field_validator("host")
+    @classmethod
+    def _address_or_hostname(cls, value: str) -> str:
+        """An IP address or an RFC 1123 hostname: it goes into every serve command."""
+        try:
+            ipaddress.ip_address(value)
+            return value
+        except ValueError:
+            pass
+        labels = value.removesuffix(".").split(".")
+        if len(value) > 253 or not all(_HOST_LABEL.match(label) for label in labels):
+            raise ValueError(f"{value!r} is neither an IP address nor a hostname")
+        return value
 
 
 class ServingBenchmarkSpec(Strict):

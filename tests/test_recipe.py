@@ -64,6 +64,24 @@ def test_unknown_key(tmp_path: Path) -> None:
     assert "colour: unknown key" in _error(tmp_path, colour="red")
 
 
+def test_a_serve_host_that_is_not_an_address_or_a_hostname_is_refused(tmp_path: Path) -> None:
+    msg = _error(tmp_path, serve={"host": "127.0.0.1; touch /tmp/x/pwned #"})
+    assert "serve.host: '127.0.0.1; touch /tmp/x/pwned #' is neither an IP address nor a hostname" in msg
+    assert "neither an IP" in _error(tmp_path, serve={"host": "-leading-dash"})
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::1", "localhost", "node-1.build.internal"])
+def test_addresses_and_hostnames_reach_every_serve_command(tmp_path: Path, host: str) -> None:
+    (tmp_path / "model").mkdir()
+    targets = {
+        "f16": F16,
+        "awq": {"kind": "awq", "gates": {"max_ppl_delta_pct": 30, "max_kld_topk_mean": 0.3}},
+    }
+    loaded = load_recipe(write_recipe(tmp_path / "r.yaml", serve={"host": host}, targets=targets))
+    for target in loaded.recipe.targets.values():
+        assert f" --host {host} " in target.serve_command(loaded.recipe.serve)
+
+
 def test_unknown_key_inside_target(tmp_path: Path) -> None:
     msg = _error(tmp_path, targets={"a": {**F16, "bits": 4}})
     assert "target 'a'" in msg and "bits: unknown key" in msg

@@ -11,6 +11,7 @@ comparison was made; the deploy command in the manifest stays as the recipe wrot
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,21 @@ from pipeline.errors import EngineError
 from pipeline.manifest import EngineVerdict
 
 SERVE_TIMEOUT_S = 900
+ARTIFACT_DIR = "${ARTIFACT_DIR}"  # where a deploy job puts the artifact, substituted or expanded
+
+
+def command_line(argv: list[str]) -> str:
+    """A serve command as the manifest records it: every value shell-quoted (a value that needs no
+    quotes is written as it is), `${ARTIFACT_DIR}` left for the deploy job to substitute or expand.
+    `sh -c` of the result runs exactly `argv`."""
+    words = []
+    for arg in argv:
+        if arg.startswith(ARTIFACT_DIR):
+            rest = arg.removeprefix(ARTIFACT_DIR)
+            words.append(ARTIFACT_DIR + (shlex.quote(rest) if rest else ""))
+        else:
+            words.append(shlex.quote(arg))
+    return " ".join(words)
 
 
 def serve_check(

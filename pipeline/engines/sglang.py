@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.constants import ENGINE_SGLANG, ENV_SGLANG
 from pipeline.context import BuildContext
-from pipeline.engines.serving import serve_check
+from pipeline.engines.serving import ARTIFACT_DIR, command_line, serve_check
 from pipeline.environments import environment
 from pipeline.errors import EngineError
 from pipeline.manifest import EngineVerdict
@@ -21,15 +21,15 @@ EAGER_FLAG = "--disable-cuda-graph"  # the offline engine's mode (disable_cuda_g
 
 def serve_command(serve: ServeSpec, quantization: str, dtype: str) -> str:
     """The deploy command for a checkpoint in SGLang's server, with the recipe's knobs."""
-    backend = serve.sglang.attention_backend
-    return (
-        "python -m sglang.launch_server --model-path ${ARTIFACT_DIR} "
-        f"--quantization {quantization} --dtype {dtype} --host {serve.host} --port {serve.port} "
-        f"--context-length {serve.sglang.context_length} "
-        f"--mem-fraction-static {serve.sglang.mem_fraction_static}"
-        + (f" --attention-backend {backend}" if backend else "")
-        + (f" {EAGER_FLAG}" if serve.sglang.disable_cuda_graph else "")
-    )
+    knobs = serve.sglang
+    argv = ["python", "-m", "sglang.launch_server", "--model-path", ARTIFACT_DIR]
+    argv += ["--quantization", quantization, "--dtype", dtype]
+    argv += ["--host", serve.host, "--port", str(serve.port)]
+    argv += ["--context-length", str(knobs.context_length)]
+    argv += ["--mem-fraction-static", str(knobs.mem_fraction_static)]
+    argv += ["--attention-backend", knobs.attention_backend] if knobs.attention_backend else []
+    argv += [EAGER_FLAG] if knobs.disable_cuda_graph else []
+    return command_line(argv)
 
 
 def validate(

@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline.constants import ENGINE_VLLM, ENV_VLLM
 from pipeline.context import BuildContext
-from pipeline.engines.serving import serve_check
+from pipeline.engines.serving import ARTIFACT_DIR, command_line, serve_check
 from pipeline.manifest import EngineVerdict
 from pipeline.spec import Gates, ServeSpec
 from pipeline.validation import not_run, verdict
@@ -24,16 +24,15 @@ def serve_command(serve: ServeSpec, quantization: str | None, dtype: str) -> str
     """The deploy command for a checkpoint in vLLM's OpenAI server, with the recipe's knobs
     (`quantization` None: vLLM picks the kernel from the checkpoint's quantization_config)."""
     knobs = serve.vllm
-    batched = knobs.max_num_batched_tokens
-    quant = f"--quantization {quantization} " if quantization else ""
-    return (
-        "python -m vllm.entrypoints.openai.api_server --model ${ARTIFACT_DIR} "
-        f"{quant}--dtype {dtype} --host {serve.host} "
-        f"--port {serve.port} --max-model-len {knobs.max_model_len} "
-        f"--gpu-memory-utilization {knobs.gpu_memory_utilization}"
-        + (f" --max-num-batched-tokens {batched}" if batched else "")
-        + (f" {EAGER_FLAG}" if knobs.enforce_eager else "")
-    )
+    argv = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", ARTIFACT_DIR]
+    argv += ["--quantization", quantization] if quantization else []
+    argv += ["--dtype", dtype, "--host", serve.host, "--port", str(serve.port)]
+    argv += ["--max-model-len", str(knobs.max_model_len)]
+    argv += ["--gpu-memory-utilization", str(knobs.gpu_memory_utilization)]
+    if knobs.max_num_batched_tokens:
+        argv += ["--max-num-batched-tokens", str(knobs.max_num_batched_tokens)]
+    argv += [EAGER_FLAG] if knobs.enforce_eager else []
+    return command_line(argv)
 
 
 def _score(ctx: BuildContext, log: str, model_dir: Path, dtype: str) -> dict[str, Any]:

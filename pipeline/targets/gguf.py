@@ -20,6 +20,7 @@ from pipeline.constants import (
     GGUF_QUANTS,
 )
 from pipeline.context import BuildContext
+from pipeline.engines.serving import ARTIFACT_DIR, command_line
 from pipeline.hashing import file_sha256
 from pipeline.manifest import Validation
 from pipeline.spec import ServeSpec
@@ -266,12 +267,12 @@ class GgufTarget(Target):
 
     def serve_command(self, serve: ServeSpec) -> str:
         knobs = serve.llamacpp
-        threads = f" --n_threads {knobs.n_threads}" if knobs.n_threads else ""
-        return (
-            f"python -m llama_cpp.server --model ${{ARTIFACT_DIR}}/{GGUF_FILE} --host {serve.host} "
-            f"--port {serve.port} --n_ctx {knobs.n_ctx} --n_gpu_layers {knobs.n_gpu_layers}{threads} "
-            f"--interrupt_requests {knobs.interrupt_requests}"
-        )
+        argv = ["python", "-m", "llama_cpp.server", "--model", f"{ARTIFACT_DIR}/{GGUF_FILE}"]
+        argv += ["--host", serve.host, "--port", str(serve.port), "--n_ctx", str(knobs.n_ctx)]
+        argv += ["--n_gpu_layers", str(knobs.n_gpu_layers)]
+        argv += ["--n_threads", str(knobs.n_threads)] if knobs.n_threads else []
+        argv += ["--interrupt_requests", str(knobs.interrupt_requests)]
+        return command_line(argv)
 
 
 def _convert_request(ctx: BuildContext, dest: Path, outtype: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from pydantic import field_validator, model_validator
 from pipeline.constants import ENGINE_TRTLLM, ENGINE_VLLM, ENV_MODELOPT, ENV_VLLM
 from pipeline.context import BuildContext
 from pipeline.engines import vllm
+from pipeline.engines.serving import ARTIFACT_DIR, command_line
 from pipeline.errors import BuildError
 from pipeline.manifest import Validation
 from pipeline.spec import CalibrationOverride, ServeSpec
@@ -152,8 +153,7 @@ class ModeloptTarget(Target):
     def serve_command(self, serve: ServeSpec) -> str:
         if self.quant in VLLM_LOADS:
             return vllm.serve_command(serve, "modelopt", self.dtype)
-        return (
-            f"trtllm-serve ${{ARTIFACT_DIR}} --backend pytorch --host {serve.host} --port {serve.port} "
-            f"--max_seq_len {serve.vllm.max_model_len} "
-            f"--kv_cache_free_gpu_memory_fraction {serve.trtllm.kv_cache_free_gpu_memory_fraction}"
-        )
+        argv = ["trtllm-serve", ARTIFACT_DIR, "--backend", "pytorch", "--host", serve.host]
+        argv += ["--port", str(serve.port), "--max_seq_len", str(serve.vllm.max_model_len)]
+        argv += ["--kv_cache_free_gpu_memory_fraction", str(serve.trtllm.kv_cache_free_gpu_memory_fraction)]
+        return command_line(argv)

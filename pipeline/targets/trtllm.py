@@ -24,6 +24,7 @@ from pydantic import Field, field_validator, model_validator
 from pipeline.artifacts import Layout
 from pipeline.constants import ENGINE_TRTLLM, ENV_MODELOPT, ENV_TRTLLM
 from pipeline.context import BuildContext
+from pipeline.engines.serving import ARTIFACT_DIR, command_line
 from pipeline.environments import environment
 from pipeline.errors import BuildError, EngineError
 from pipeline.hashing import file_sha256
@@ -430,8 +431,8 @@ class TrtllmTarget(Target):
         return Validation.of(ENGINE_TRTLLM, {ENGINE_TRTLLM: result}, reference_record(ref))
 
     def serve_command(self, serve: ServeSpec) -> str:
-        return (
-            "trtllm-serve ${ARTIFACT_DIR} --backend tensorrt --tokenizer ${ARTIFACT_DIR}/"
-            f"{TOKENIZER_DIR} --host {serve.host} --port {serve.port} "
-            f"--kv_cache_free_gpu_memory_fraction {serve.trtllm.kv_cache_free_gpu_memory_fraction}"
-        )
+        argv = ["trtllm-serve", ARTIFACT_DIR, "--backend", "tensorrt"]
+        argv += ["--tokenizer", f"{ARTIFACT_DIR}/{TOKENIZER_DIR}"]
+        argv += ["--host", serve.host, "--port", str(serve.port)]
+        argv += ["--kv_cache_free_gpu_memory_fraction", str(serve.trtllm.kv_cache_free_gpu_memory_fraction)]
+        return command_line(argv)

@@ -36,7 +36,8 @@ Ask = Callable[[str, dict[str, Any]], dict[str, Any]]
 def serve_argv(command: str, artifact_dir: str, port: int, python: str = sys.executable) -> list[str]:
     """The manifest's serve command, run for real: `python` (default: this environment's), this
     artifact, and a free loopback port in place of the recipe's."""
-    argv = shlex.split(command.replace("${ARTIFACT_DIR}", artifact_dir))
+    # split first: an artifact path with spaces stays one argument
+    argv = [a.replace("${ARTIFACT_DIR}", artifact_dir) for a in shlex.split(command)]
     if argv[0] == "python":
         argv[0] = python
     argv[argv.index("--port") + 1] = str(port)

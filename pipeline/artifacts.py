@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from pipeline.constants import (
@@ -273,9 +273,16 @@ def iter_artifacts(root: Path) -> Iterator[tuple[Path, Manifest]]:
 def verify_files(directory: Path, files: list[FileEntry]) -> list[str]:
     """Problems found re-hashing an artifact's files against its manifest (empty when intact)."""
     problems = []
+    root = directory.resolve()
     for entry in files:
+        parts = PurePosixPath(entry.path).parts
+        if not parts or entry.path.startswith("/") or ".." in parts:
+            problems.append(f"{entry.path}: not a path inside the artifact directory")
+            continue
         path = directory / entry.path
-        if not path.is_file():
+        if path.is_symlink() or (path.exists() and not path.resolve().is_relative_to(root)):
+            problems.append(f"{entry.path}: a symbolic link (an artifact holds plain files only)")
+        elif not path.is_file():
             problems.append(f"{entry.path}: missing")
         elif path.stat().st_size != entry.bytes or file_sha256(path) != entry.sha256:
             problems.append(f"{entry.path}: checksum mismatch")

@@ -16,12 +16,13 @@ from rich.table import Table
 from pipeline.artifacts import artifacts_root, iter_artifacts
 from pipeline.constants import STATUS_UNAVAILABLE
 from pipeline.environments import ENVIRONMENTS, locked_environments, run_step
-from pipeline.errors import EngineError, PipelineError, RegistryError, ValidationFailed
+from pipeline.errors import EngineError, PipelineError, RecipeError, RegistryError, ValidationFailed
 from pipeline.manifest import Manifest, read_manifest
 from pipeline.project import Project, TargetResult
 from pipeline.registry import KEEP_VERSIONS, Registry
 from pipeline.report import report_rows, write_html
 from pipeline.selection import OBJECTIVES, Scenario, select
+from pipeline.spec import NAME
 
 app = typer.Typer(
     help="Build, validate and record LLM deployment artifacts from one recipe.", no_args_is_help=True
@@ -43,6 +44,24 @@ def _run(fn: Callable[[], T]) -> T:
     except PipelineError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
+
+
+def _target_names(targets: str | None) -> list[str] | None:
+    """--targets as a list (None: all); a list naming no target, or an empty name, is an error."""
+    if targets is None:
+        return None
+    names = [t.strip() for t in targets.split(",")]
+    if not all(names):
+        raise RecipeError(f"--targets {targets!r}: an empty target name (leave --targets out for all)")
+    return names
+
+
+def _artifact_dir(artifact: str) -> Path:
+    """RECIPE/TARGET under the artifacts root; anything else (a path, `..`) is refused."""
+    parts = artifact.split("/")
+    if len(parts) != 2 or not all(NAME.match(p) for p in parts):
+        raise RegistryError(f"{artifact!r}: expected RECIPE/TARGET (lowercase names, no path)")
+    return artifacts_root() / parts[0] / parts[1]
 
 
 class _RichReporter:
@@ -83,7 +102,7 @@ def build(
     `unavailable` with the reason and does not fail the build, unless --require-all. With
     --cluster, a target no node of the cluster can build is the one `unavailable`.
     """
-    names = [t.strip() for t in targets.split(",") if t.strip()] if targets else None
+    names = _run(lambda: _target_names(targets))
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True
     ) as progress:
@@ -277,7 +296,7 @@ def _brief(m: Manifest) -> dict[str, Any]:
 @app.command()
 def show(artifact: Annotated[str, typer.Argument(help="RECIPE/TARGET")], as_json: JsonOpt = False) -> None:
     """Show one artifact's manifest."""
-    manifest = _run(lambda: read_manifest(artifacts_root() / artifact))
+    manifest = _run(lambda: read_manifest(_artifact_dir(artifact)))
     if as_json:
         out.print_json(manifest.to_json())
         return

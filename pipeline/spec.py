@@ -17,7 +17,7 @@ from pipeline.constants import BUILTIN_TEXTS, STEP_LIMITS_S
 from pipeline.texts import HF_PREFIX, dataset_text, parse_hf_ref
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")  # a recipe or target name: it names a directory
 _HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")  # RFC 1123
 
 
@@ -271,7 +271,7 @@ class Recipe(Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not _NAME.match(value):
+        if not NAME.match(value):
             raise ValueError("use lowercase letters, digits, '.', '_' and '-' (it names a directory)")
         return value
 
@@ -286,7 +286,7 @@ class Recipe(Strict):
         parsed: dict[str, TargetSpec] = {}
         problems = []
         for name, spec in value.items():
-            if not _NAME.match(str(name)):
+            if not NAME.match(str(name)):
                 problems.append(f"target name {name!r}: use lowercase letters, digits, '.', '_', '-'")
             elif not isinstance(spec, dict) or "kind" not in spec:
                 problems.append(f"target {name!r} needs a mapping with a `kind`")

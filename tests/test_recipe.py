@@ -10,7 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.errors import RecipeError
+from pipeline.errors import RecipeError, RegistryError
 from pipeline.project import Project
 from pipeline.recipe import load_recipe
 from pipeline.texts import parse_hf_ref
@@ -192,6 +192,22 @@ def test_cli_build_unknown_target_exits_nonzero() -> None:
     )
     assert res.exit_code == RecipeError.exit_code
     assert "unknown target(s) nope" in res.output
+
+
+@pytest.mark.parametrize("targets", [",", "", "gguf-f16,,awq"])
+def test_cli_build_targets_naming_no_target_is_an_error(targets: str) -> None:
+    res = CliRunner().invoke(
+        app, ["build", str(REPO / "recipes" / "smollm2-135m.yaml"), "--targets", targets, "--dry-run"]
+    )
+    assert res.exit_code == RecipeError.exit_code
+    assert "an empty target name (leave --targets out for all)" in res.output
+
+
+@pytest.mark.parametrize("artifact", ["../../x", "smollm2-135m/../../etc", "/etc/passwd", "one"])
+def test_cli_show_reads_only_recipe_slash_target(artifact: str, _isolated_artifacts: Path) -> None:
+    res = CliRunner().invoke(app, ["show", artifact])
+    assert res.exit_code == RegistryError.exit_code
+    assert "expected RECIPE/TARGET (lowercase names, no path)" in res.output
 
 
 def test_cli_dry_run_plans_without_building(_isolated_artifacts: Path) -> None:

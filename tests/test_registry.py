@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from typer.testing import CliRunner
 from pipeline.artifacts import file_entries
 from pipeline.cli import app
 from pipeline.errors import RegistryError
-from pipeline.manifest import read_manifest, write_manifest
+from pipeline.hashing import file_sha256
+from pipeline.manifest import FileEntry, read_manifest, write_manifest
 from pipeline.registry import Registry
 from tests.conftest import write_artifact
 
@@ -48,6 +50,25 @@ def test_nothing_and_ambiguous(registry: Registry, tmp_path: Path) -> None:
     registry.register(_artifact(registry.root, "m", "gguf-q8_0-b", "llama.cpp", "Q8_0"))
     with pytest.raises(RegistryError, match="ambiguous: m/gguf-q8_0, m/gguf-q8_0-b"):
         registry.resolve("m", "llama.cpp", "Q8_0")
+
+
+def test_verify_refuses_paths_and_links_that_leave_the_directory(registry: Registry, tmp_path: Path) -> None:
+    """A consistently edited manifest (verify DIR without --manifest-sha256) cannot make verify
+    hash files outside the artifact: `../` entries and symbolic links are problems."""
+    fetched = tmp_path / "fetched"
+    shutil.copytree(registry.root / "m" / "gguf-q8_0", fetched)
+    assert registry.verify(str(fetched)) == []
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not the artifact's")
+    (fetched / "link.bin").symlink_to(outside)
+    manifest = read_manifest(fetched)
+    escaping = FileEntry(path="../outside.bin", sha256=file_sha256(outside), bytes=outside.stat().st_size)
+    linked = escaping.model_copy(update={"path": "link.bin"})
+    write_manifest(fetched, manifest.model_copy(update={"files": [*manifest.files, escaping, linked]}))
+    assert registry.verify(str(fetched)) == [
+        "../outside.bin: not a path inside the artifact directory",
+        "link.bin: a symbolic link (an artifact holds plain files only)",
+    ]
 
 
 def test_verify_catches_a_flipped_byte(registry: Registry) -> None:

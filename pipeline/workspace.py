@@ -33,12 +33,23 @@ class Workspace:
         return res.stdout.strip()
 
     @property
-    def url(self) -> str:
-        """Where a deploy job clones it from: the `origin` remote, else the work tree itself."""
+    def origin(self) -> str | None:
+        """The `origin` remote's URL, if there is one."""
         res = subprocess.run(
             ["git", "config", "--get", "remote.origin.url"], cwd=self.root, capture_output=True, text=True
         )
-        return res.stdout.strip() or str(self.root)
+        return res.stdout.strip() or None
+
+    @property
+    def url(self) -> str:
+        """Where a deploy job clones it from: the `origin` remote, else the work tree itself."""
+        return self.origin or str(self.root)
+
+    def on_origin(self, rev: str) -> bool:
+        """Whether `rev` is on a branch of `origin` as this clone last saw it (its remote-tracking
+        branches: updated by `git push` and `git fetch`; no network is used)."""
+        branches = self.git("branch", "-r", "--contains", rev, "--format=%(refname:short)")
+        return any(b.startswith("origin/") for b in branches.split())
 
     def dvc(self, *args: str) -> subprocess.CompletedProcess[str]:
         """Run the `dvc` installed beside this interpreter (else on PATH) in the work tree."""
@@ -94,9 +105,10 @@ def artifact_name(recipe: str, target: str) -> str:
 def dvc_location(artifact_dir: Path, recipe: str, target: str) -> dict[str, Any] | None:
     """How a deploy job elsewhere fetches this artifact with DVC, or None outside a workspace.
 
-    `fetchable` is true only when `dvc get --rev REV` gives exactly these bytes: the work tree's
-    bytes are what its dvc.lock records (`dvc status`), HEAD's committed lock records the same
-    hash (`lock_committed`), and, where a default remote is configured, the remote holds them
+    `fetchable` is true only when `dvc get REPO --rev REV` gives exactly these bytes: the work
+    tree's bytes are what its dvc.lock records (`dvc status`), HEAD's committed lock records the
+    same hash (`lock_committed`), HEAD is on a branch of `origin` where there is one (REPO is
+    origin's URL then), and, where a default DVC remote is configured, it holds them
     (`dvc status -c`). Otherwise `missing` says what to do (commit the lock, push).
     """
     ws = find_workspace(artifact_dir)
@@ -118,6 +130,8 @@ def dvc_location(artifact_dir: Path, recipe: str, target: str) -> dict[str, Any]
         missing.append(
             f"the dvc.lock committed at {rev[:12]} records other bytes for {rel} (commit dvc.lock)"
         )
+    if ws.origin and not ws.on_origin(rev):
+        missing.append(f"commit {rev[:12]} is on no branch of origin ({ws.origin}) (run `git push`)")
     default_remote = ws.dvc("remote", "default")  # exit 1 and "No default remote set" when none
     if not missing and default_remote.returncode == 0 and default_remote.stdout.strip():
         remote = ws.dvc("status", "-c", rel, "--json")

@@ -458,14 +458,14 @@ def _dvc_workspace(tmp_path: Path) -> tuple[Path, Registry]:
     return ws, reg
 
 
-def _git_dvc(ws: Path, *cmd: str) -> None:
+def _git_dvc(ws: Path, *cmd: str) -> str:
+    """Run git or this environment's dvc in `ws`; its stdout."""
     import subprocess
     import sys
 
     tool = Path(sys.executable).parent / cmd[0]
-    subprocess.run(
-        [str(tool) if tool.exists() else cmd[0], *cmd[1:]], cwd=ws, check=True, capture_output=True
-    )
+    run = [str(tool) if tool.exists() else cmd[0], *cmd[1:]]
+    return subprocess.run(run, cwd=ws, check=True, capture_output=True, text=True).stdout
 
 
 @pytest.mark.slow  # an engine or a build: left out of `make check`
@@ -531,3 +531,20 @@ def test_dvc_coordinates_are_given_only_when_true(tmp_path: Path) -> None:
     _git_dvc(ws, "git", "commit", "-q", "-am", "rebuild")
     assert reg.resolve("m", "llama.cpp", "Q8_0")["dvc"]["fetchable"]
     assert reg.resolve("m", "llama.cpp", "Q8_0", stage="prod")["version"] == 1  # until promoted again
+
+    # with an origin, the printed repository is origin: HEAD must be on one of its branches
+    _git_dvc(tmp_path, "git", "init", "-q", "--bare", "origin.git")
+    _git_dvc(ws, "git", "remote", "add", "origin", str(tmp_path / "origin.git"))
+    (missing,) = reg.resolve("m", "llama.cpp", "Q8_0")["dvc"]["missing"]
+    head = _git_dvc(ws, "git", "rev-parse", "HEAD").strip()
+    assert (
+        missing
+        == f"commit {head[:12]} is on no branch of origin ({tmp_path / 'origin.git'}) (run `git push`)"
+    )
+    with pytest.raises(RegistryError, match=r"is on no branch of origin .*git push"):
+        reg.promote("m/gguf-q8_0", "prod")
+    _git_dvc(ws, "git", "push", "-q", "origin", "HEAD:refs/heads/main")
+    pushed = reg.resolve("m", "llama.cpp", "Q8_0")["dvc"]
+    assert pushed["fetchable"] and pushed["repo"] == str(tmp_path / "origin.git")
+    _git_dvc(ws, "git", "commit", "-q", "--allow-empty", "-m", "local only")
+    assert not reg.resolve("m", "llama.cpp", "Q8_0")["dvc"]["fetchable"]

@@ -110,9 +110,7 @@ def build(
         project = _run(lambda: Project.open(recipe))
         results = _run(
             lambda: (
-                project.plan(names)
-                if dry_run
-                else _build(project, names, force, reporter, threads, cluster)
+                project.plan(names) if dry_run else _build(project, names, force, reporter, threads, cluster)
             )
         )
     out.print(_summary(results))
@@ -508,8 +506,12 @@ def registry_gc(
 
 @registry_app.command("rebuild")
 def registry_rebuild(as_json: JsonOpt = False) -> None:
-    """Recreate the index from the manifests on disk."""
-    _emit({"registered": _run(lambda: _registry().rebuild())}, as_json)
+    """Recreate the index from the manifests on disk and the stages from the promote journals."""
+    done = _run(lambda: _registry().rebuild())
+    _emit({"registered": done.targets, "lost_stages": done.lost_stages}, as_json)
+    if done.lost_stages:  # the index is rebuilt; these stages point nowhere now: say so, fail
+        err.print(f"[bold red]error:[/] stages not recovered: {'; '.join(done.lost_stages)}", highlight=False)
+        raise typer.Exit(RegistryError.exit_code)
 
 
 @app.command("env")

@@ -12,11 +12,13 @@ concurrent builds and promotes safe: each write is one short transaction, with a
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,18 @@ CREATE TABLE IF NOT EXISTS stages (
     PRIMARY KEY (recipe, target, stage)
 );
 """
+STAGES_JOURNAL = "stages.jsonl"  # beside a target's kept versions: one line per promote
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """What `rebuild` did: the targets indexed, and the stages it could not bring back (each
+    `RECIPE/TARGET STAGE: why`), which it names instead of dropping them silently."""
+
+    targets: int
+    lost_stages: list[str]
+
+
 _VERSION_COLUMNS = ("recipe", "target", "version", "path", "kind", "engine", "format", "quant", "gpu_arch")
 
 
@@ -118,14 +132,21 @@ class Registry:
             number, _ = keep_version(artifact_dir, versions_dir_of(artifact_dir))
         return self.add_version(versions_dir_of(artifact_dir) / str(number), current=artifact_dir)
 
-    def rebuild(self) -> int:
+    def rebuild(self) -> Rebuilt:
         """Recreate the index from the manifests on disk: every kept version, and each workspace
         directory as its target's current version (kept as a version first if it is not one).
-        Stages are kept where their version still exists with the same manifest. Returns the
-        number of targets."""
-        stages: list[tuple[Any, ...]] = []
+        Stages come from the promote journals beside the versions and from the old index if it
+        can be read (the later promote wins); each is kept where its version still exists with
+        the same manifest, and named in `lost_stages` where not."""
+        journaled = _journaled_stages(self.root)
+        indexed = _old_stages(self.path) if self.path.exists() else []
+        latest: dict[tuple[str, str, str], tuple[Any, ...]] = {}
+        for row in [*indexed, *journaled]:
+            key = (row[0], row[1], row[2])
+            if key not in latest or (row[4] or "") >= (latest[key][4] or ""):
+                latest[key] = row
+        stages = list(latest.values())
         if self.path.exists():
-            stages = _old_stages(self.path)
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{self.path}{suffix}").unlink(missing_ok=True)
         workspaces = list(_workspace_dirs(self.root))
@@ -150,15 +171,21 @@ class Registry:
                     (recipe, target, number, str(artifact_dir.resolve())),
                 )
             by_sha = {(r, t, sha): n for (r, t, n), sha in shas.items()}
-            for recipe, target, stage, sha, promoted_at, coordinates in stages:
+            lost = []
+            for recipe, target, stage, sha, promoted_at, coordinates in sorted(stages, key=lambda r: r[:3]):
                 number = by_sha.get((recipe, target, sha))
-                if number is not None:
-                    db.execute(
-                        "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?,?,?)",
-                        (recipe, target, stage, number, sha, promoted_at, coordinates),
+                if number is None:
+                    lost.append(
+                        f"{recipe}/{target} {stage}: no kept version has the promoted manifest "
+                        f"{sha[:16]}… (promoted {promoted_at})"
                     )
+                    continue
+                db.execute(
+                    "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?,?,?)",
+                    (recipe, target, stage, number, sha, promoted_at, coordinates),
+                )
             db.execute("COMMIT")
-        return len({(recipe, target) for recipe, target, _ in shas})
+        return Rebuilt(len({(recipe, target) for recipe, target, _ in shas}), lost)
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -384,6 +411,16 @@ class Registry:
         )
         now = datetime.now(UTC).isoformat(timespec="seconds")
         recorded = {**location, "checked_at": now} if location else None
+        _journal_stage(
+            Path(entry["version_path"]).parent,
+            {
+                "stage": stage,
+                "version": entry["version"],
+                "manifest_sha256": sha,
+                "promoted_at": now,
+                "dvc": recorded,
+            },
+        )
         with self._db() as db:
             db.execute(
                 "INSERT OR REPLACE INTO stages VALUES (?,?,?,?,?,?,?)",
@@ -583,6 +620,31 @@ def _matching_version(artifact_dir: Path) -> int | None:
         if kept.is_file() and file_sha256(kept) == sha:
             return number
     return None
+
+
+def _journal_stage(versions_dir: Path, record: dict[str, Any]) -> None:
+    """Append one promote to the target's journal (and make it durable) before the index
+    records it: the index can be rebuilt from the journals."""
+    with open(versions_dir / STAGES_JOURNAL, "a") as fh:
+        fh.write(json.dumps(record, sort_keys=True) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _journaled_stages(root: Path) -> list[tuple[Any, ...]]:
+    """(recipe, target, stage, manifest sha256, promoted_at, dvc coordinates) of every promote in
+    the journals under `root`, in order; a torn last line (a crash mid-write) is skipped."""
+    rows = []
+    for journal in sorted(root.glob(f"*/{VERSIONS_DIRNAME}/*/{STAGES_JOURNAL}")):
+        recipe, target = journal.parents[2].name, journal.parent.name
+        for line in journal.read_text().splitlines():
+            try:
+                r = json.loads(line)
+                coordinates = json.dumps(r["dvc"]) if r.get("dvc") else None
+                rows.append((recipe, target, r["stage"], r["manifest_sha256"], r["promoted_at"], coordinates))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return rows
 
 
 def _old_stages(path: Path) -> list[tuple[Any, ...]]:

@@ -16,7 +16,7 @@ from pipeline.cli import app
 from pipeline.errors import RegistryError
 from pipeline.hashing import file_sha256
 from pipeline.manifest import FileEntry, read_manifest, write_manifest
-from pipeline.registry import Registry
+from pipeline.registry import Rebuilt, Registry
 from tests.conftest import write_artifact
 
 _artifact = write_artifact
@@ -28,7 +28,7 @@ def registry(tmp_path: Path) -> Registry:
     for target, quant, status in (("gguf-q8_0", "Q8_0", "passed"), ("gguf-q4_0", "Q4_0", "failed")):
         _artifact(root, "m", target, "llama.cpp", quant, status)
     reg = Registry(root)
-    assert reg.rebuild() == 2
+    assert reg.rebuild().targets == 2
     return reg
 
 
@@ -139,6 +139,7 @@ def test_gc_keeps_current_staged_and_newest_versions(registry: Registry) -> None
         "2",
         "5",
         "6",
+        "stages.jsonl",  # the promote journal stays with the versions
     ]
     assert registry.resolve("m", "llama.cpp", "Q8_0", stage="staging")["version"] == 2
     assert registry.verify("m/gguf-q8_0", version=2) == []
@@ -204,7 +205,7 @@ def test_an_index_from_before_versions_asks_for_a_rebuild_and_keeps_its_stages(r
     old.close()
     with pytest.raises(RegistryError, match=r"has schema 0, not 2 .*pipeline registry rebuild"):
         registry.entries()
-    assert registry.rebuild() == 2
+    assert registry.rebuild().targets == 2
     assert registry.resolve("m", "llama.cpp", "Q8_0", stage="prod")["version"] == 1
 
 
@@ -222,8 +223,31 @@ def test_garbage_index_is_a_clear_error_and_rebuildable(registry: Registry) -> N
         Path(f"{registry.path}{suffix}").unlink(missing_ok=True)
     with pytest.raises(RegistryError, match=r"unreadable.*pipeline registry rebuild"):
         registry.entries()
-    assert registry.rebuild() == 2
+    assert registry.rebuild() == Rebuilt(targets=2, lost_stages=[])
     assert registry.resolve("m", "llama.cpp", "Q8_0")["target"] == "gguf-q8_0"
+    # prod survived the index: it came back from the promote journal beside the versions
+    assert registry.resolve("m", "llama.cpp", "Q8_0", stage="prod")["version"] == 1
+
+
+def test_a_stage_whose_version_is_gone_is_named_by_rebuild(registry: Registry) -> None:
+    promoted = registry.promote("m/gguf-q8_0", "prod")
+    registry.path.unlink()
+    kept = registry.root / "m" / ".versions" / "gguf-q8_0" / "1"
+    for f in kept.iterdir():  # someone deleted the promoted bytes; the workspace now differs
+        f.unlink()
+    kept.rmdir()
+    workspace = registry.root / "m" / "gguf-q8_0"
+    (workspace / "model.bin").unlink()
+    (workspace / "model.bin").write_bytes(b"other weights")
+    _rewrite(workspace)
+    res = CliRunner().invoke(app, ["registry", "rebuild"], env={"PIPELINE_ARTIFACTS": str(registry.root)})
+    assert res.exit_code == RegistryError.exit_code
+    assert (
+        f"stages not recovered: m/gguf-q8_0 prod: no kept version has the promoted manifest "
+        f"{promoted['manifest_sha256'][:16]}…"
+    ) in " ".join(res.output.split())
+    with pytest.raises(RegistryError):
+        registry.resolve("m", "llama.cpp", "Q8_0", stage="prod")
 
 
 def test_a_busy_index_is_retried_then_named_as_locked_not_unreadable(
@@ -369,7 +393,7 @@ def test_engine_version_matches_for_every_engine(tmp_path: Path) -> None:
     write_artifact(root, "m", "trtllm-fp8", "tensorrt-llm", "trtllm-fp8", gpu_arch="sm90",
                    toolchain={"trtllm": {"tensorrt_llm": "1.2.0"}})  # fmt: skip
     reg = Registry(root)
-    assert reg.rebuild() == 3
+    assert reg.rebuild().targets == 3
     for engine, quant, version in (
         ("llama.cpp", "Q8_0", "0.3.36"),
         ("vllm", "awq-w4a16-g64", "0.32.0"),

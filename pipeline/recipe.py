@@ -110,4 +110,6 @@ def _file_problems(loaded: LoadedRecipe) -> list[str]:
             problems.append(f"{key}: file {ref!r} is empty")
     if r.source.path and not loaded.resolve_path(r.source.path).is_dir():
         problems.append(f"source.path: directory {r.source.path!r} not found")
+    elif r.source.path and not (loaded.resolve_path(r.source.path) / "config.json").is_file():
+        problems.append(f"source.path: {r.source.path!r} has no config.json (not a Hugging Face checkpoint)")
     return problems

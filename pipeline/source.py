@@ -48,15 +48,25 @@ def resolve_source(loaded: LoadedRecipe, log_path: Path) -> ResolvedSource:
         info = {"repo": spec.repo, "revision": spec.revision}
     else:
         path, info = _materialise_smollm2(log_path)
-    check_checkpoint(path, spec.trust_remote_code)
+    # a hub snapshot's files are links into the repo's blobs/ (two levels up), nothing else
+    check_checkpoint(path, spec.trust_remote_code, links_within=path.parents[1] if spec.repo else path)
     info["sha256"] = dir_sha256(path, cache_root() / "hashes.json")
     return ResolvedSource(path=path, info=info)
 
 
-def check_checkpoint(path: Path, trust_remote_code: bool = False) -> None:
-    """Refuse what we must not or cannot load: missing dirs, pickle-only weights, remote code."""
+def check_checkpoint(path: Path, trust_remote_code: bool = False, links_within: Path | None = None) -> None:
+    """Refuse what we must not or cannot load: missing dirs, links leaving `links_within` (default:
+    the checkpoint itself), pickle-only weights, truncated safetensors, remote code."""
     if not path.is_dir():
         raise SourceError(f"source checkpoint {path} not found")
+    root = (links_within or path).resolve()
+    for link in sorted(p for p in path.rglob("*") if p.is_symlink()):
+        target = link.resolve()
+        if not target.is_relative_to(root):
+            raise SourceError(
+                f"source file {link} is a link to {target}, outside the checkpoint: copy the file "
+                "into the checkpoint directory instead"
+            )
     config = path / "config.json"
     if not config.is_file():
         raise SourceError(f"source {path} has no config.json: not a Hugging Face checkpoint")
@@ -69,6 +79,8 @@ def check_checkpoint(path: Path, trust_remote_code: bool = False) -> None:
                 "code on load. To resolve, convert the checkpoint to safetensors"
             )
         raise SourceError(f"source {path} has no *.safetensors weights")
+    for weights in sorted(path.glob("*.safetensors")):
+        _check_safetensors_size(weights)
     try:
         cfg = json.loads(config.read_text())
     except ValueError as exc:
@@ -78,6 +90,26 @@ def check_checkpoint(path: Path, trust_remote_code: bool = False) -> None:
             f"source {path} needs custom code (auto_map in config.json); set "
             "source.trust_remote_code: true in the recipe only if you trust it"
         )
+
+
+def _check_safetensors_size(path: Path) -> None:
+    """A safetensors file is an 8-byte header length, a JSON header, then the tensors' bytes at the
+    offsets the header gives: a file shorter than that was cut off (a copy or download that
+    stopped). Only the header is read."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 2 or 8 + length > size:
+            raise SourceError(f"source file {path}: not a safetensors file or truncated ({size} bytes)")
+        try:
+            header = json.loads(fh.read(length))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError):
+            raise SourceError(f"source file {path}: its safetensors header is not valid") from None
+    promised = 8 + length + end
+    if size < promised:
+        raise SourceError(f"source file {path} is truncated: {size} bytes, its header promises {promised}")
 
 
 def _download(spec: SourceSpec) -> Path:

@@ -82,6 +82,15 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: 
     return out
 
 
+def empty_checkpoint(directory: Path) -> Path:
+    """A source directory a recipe accepts (config.json, no weights): for recipe-only tests."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = directory / "config.json"
+    if not config.exists():  # a test may have written its own
+        config.write_text('{"architectures": ["LlamaForCausalLM"]}')
+    return directory
+
+
 def write_recipe(path: Path, **overrides: object) -> Path:
     """A small valid recipe (tiny model source by default) with top-level overrides."""
     recipe = {

@@ -14,7 +14,7 @@ from pipeline.errors import RecipeError, RegistryError
 from pipeline.project import Project
 from pipeline.recipe import load_recipe
 from pipeline.texts import parse_hf_ref
-from tests.conftest import REPO, write_recipe
+from tests.conftest import REPO, empty_checkpoint, write_recipe
 
 F16 = {"kind": "gguf", "quant": "F16", "gates": {"max_ppl_delta_pct": 0.1, "max_kld_mean": 0.001}}
 
@@ -40,7 +40,7 @@ def test_qwen_recipe_is_pinned_to_a_commit() -> None:
 
 def _error(tmp_path: Path, text: str | None = None, **overrides: object) -> str:
     path = tmp_path / "r.yaml"
-    (tmp_path / "model").mkdir(exist_ok=True)
+    empty_checkpoint(tmp_path / "model")
     if text is None:
         write_recipe(path, **overrides)
     else:
@@ -72,7 +72,7 @@ def test_a_serve_host_that_is_not_an_address_or_a_hostname_is_refused(tmp_path: 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::1", "localhost", "node-1.build.internal"])
 def test_addresses_and_hostnames_reach_every_serve_command(tmp_path: Path, host: str) -> None:
-    (tmp_path / "model").mkdir()
+    empty_checkpoint(tmp_path / "model")
     targets = {
         "f16": F16,
         "awq": {"kind": "awq", "gates": {"max_ppl_delta_pct": 30, "max_kld_topk_mean": 0.3}},
@@ -121,6 +121,13 @@ def test_missing_source_dir(tmp_path: Path) -> None:
     assert "directory 'nowhere' not found" in _error(tmp_path, source={"path": "nowhere"})
 
 
+def test_a_source_dir_without_config_json_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "bare").mkdir()
+    assert "source.path: 'bare' has no config.json (not a Hugging Face checkpoint)" in _error(
+        tmp_path, source={"path": "bare"}
+    )
+
+
 def test_hub_repo_must_be_pinned(tmp_path: Path) -> None:
     msg = _error(tmp_path, source={"repo": "Qwen/Qwen2-7B-Instruct", "revision": "main"})
     assert "pinned to a 40-hex commit" in msg
@@ -135,7 +142,7 @@ def test_missing_calibration_file(tmp_path: Path) -> None:
 
 
 def test_select_unknown_target(tmp_path: Path) -> None:
-    (tmp_path / "model").mkdir()
+    empty_checkpoint(tmp_path / "model")
     project = Project.open(write_recipe(tmp_path / "r.yaml"), root=tmp_path / "artifacts")
     with pytest.raises(RecipeError, match="unknown target"):
         project.select(["nope"])
@@ -221,7 +228,7 @@ INT4 = {"gates": {"max_ppl_delta_pct": 30.0, "max_kld_topk_mean": 0.3}}
 
 
 def test_int4_targets_parse(tmp_path: Path) -> None:
-    (tmp_path / "model").mkdir()
+    empty_checkpoint(tmp_path / "model")
     targets = {
         "awq": {"kind": "awq", "group_size": 64, **INT4},
         "gptq": {"kind": "gptq", "group_size": 64, **INT4},
@@ -255,7 +262,7 @@ def test_group_size_must_divide_the_models_layers() -> None:
 
 
 def test_group_size_checked_against_a_local_checkpoint(tmp_path: Path) -> None:
-    (tmp_path / "model").mkdir()
+    empty_checkpoint(tmp_path / "model")
     (tmp_path / "model" / "config.json").write_text('{"hidden_size": 96, "intermediate_size": 256}')
     msg = _error(tmp_path, targets={"gptq": {"kind": "gptq", "group_size": 64, **INT4}})
     assert "targets.gptq.group_size: 64 does not divide" in msg and "use 32" in msg

@@ -20,7 +20,11 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 def _checkpoint(d: Path, weights: str = "model.safetensors", config: dict | None = None) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(config or {"architectures": ["LlamaForCausalLM"]}))
-    (d / weights).write_bytes(b"\0" * 16)
+    if weights.endswith(".safetensors"):  # one float32 tensor of 2 values, as safetensors writes it
+        header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+        (d / weights).write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+    else:
+        (d / weights).write_bytes(b"\0" * 16)
     return d
 
 
@@ -31,6 +35,31 @@ def test_safetensors_checkpoint_is_accepted(tmp_path: Path) -> None:
     (model / "model.safetensors").unlink()
     with pytest.raises(SourceError):
         check_checkpoint(model)
+
+
+def test_a_truncated_safetensors_file_is_a_source_error_naming_its_size(tmp_path: Path) -> None:
+    model = _checkpoint(tmp_path / "m")
+    weights = model / "model.safetensors"
+    whole = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[:-3])  # a copy that stopped early
+    with pytest.raises(SourceError, match=rf"is truncated: {whole - 3} bytes, its header promises {whole}$"):
+        check_checkpoint(model)
+    weights.write_bytes(b"\xff" * 8)
+    with pytest.raises(SourceError, match="not a safetensors file or truncated"):
+        check_checkpoint(model)
+
+
+def test_a_link_out_of_the_checkpoint_is_refused_naming_its_target(tmp_path: Path) -> None:
+    model = _checkpoint(tmp_path / "m")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not a tokenizer")
+    (model / "tokenizer.json").symlink_to(secret)
+    with pytest.raises(SourceError, match=rf"tokenizer.json is a link to {secret}, outside the checkpoint"):
+        check_checkpoint(model)
+    (model / "tokenizer.json").unlink()
+    (model / "vocab.json").write_text("{}")
+    (model / "tokenizer.json").symlink_to(model / "vocab.json")  # inside: fine
+    check_checkpoint(model)
 
 
 def test_pickle_only_checkpoint_is_refused(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import yaml
 from pipeline.errors import RecipeError, SourceError
 from pipeline.recipe import load_recipe
 from pipeline.texts import dataset_text, parse_hf_ref
+from tests.conftest import empty_checkpoint
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 WIKI_ROWS = ["", " = Title = \n", "", " The first line .\n", " The second line .\n"]
@@ -117,6 +118,8 @@ def test_what_cannot_be_read_is_one_clear_error(
 
 
 def test_recipes_check_the_reference_form_and_fetch_only_when_building(tmp_path: Path) -> None:
+    empty_checkpoint(tmp_path)
+
     def recipe(evaluation: str) -> Path:
         path = tmp_path / "r.yaml"
         path.write_text(

@@ -40,11 +40,6 @@ class Workspace:
         )
         return res.stdout.strip() or None
 
-    @property
-    def url(self) -> str:
-        """Where a deploy job clones it from: the `origin` remote, else the work tree itself."""
-        return self.origin or str(self.root)
-
     def on_origin(self, rev: str) -> bool:
         """Whether `rev` is on a branch of `origin` as this clone last saw it (its remote-tracking
         branches: updated by `git push` and `git fetch`; no network is used)."""
@@ -130,8 +125,10 @@ def dvc_location(artifact_dir: Path, recipe: str, target: str) -> dict[str, Any]
         missing.append(
             f"the dvc.lock committed at {rev[:12]} records other bytes for {rel} (commit dvc.lock)"
         )
-    if ws.origin and not ws.on_origin(rev):
-        missing.append(f"commit {rev[:12]} is on no branch of origin ({ws.origin}) (run `git push`)")
+    origin = ws.origin  # one `git config` call; the printed repo is origin where there is one
+    repo = origin or str(ws.root)
+    if origin and not ws.on_origin(rev):
+        missing.append(f"commit {rev[:12]} is on no branch of origin ({origin}) (run `git push`)")
     default_remote = ws.dvc("remote", "default")  # exit 1 and "No default remote set" when none
     if not missing and default_remote.returncode == 0 and default_remote.stdout.strip():
         remote = ws.dvc("status", "-c", rel, "--json")
@@ -139,13 +136,13 @@ def dvc_location(artifact_dir: Path, recipe: str, target: str) -> dict[str, Any]
             missing.append(f"the default DVC remote does not hold {rel} (run `dvc push`)")
     name = artifact_name(recipe, target)
     location = {
-        "repo": ws.url,
+        "repo": repo,
         "rev": rev,
         "path": rel,
         "lock_committed": lock_committed,
         "fetchable": not missing,
         "missing": missing,
-        "get": f"dvc get {ws.url} {rel} --rev {rev} -o {target}",
+        "get": f"dvc get {repo} {rel} --rev {rev} -o {target}",
     }
     if name in ws.declared_artifacts():
         location["artifact"] = name

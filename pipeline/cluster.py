@@ -118,7 +118,7 @@ def why_no_node(need: dict[str, float], nodes: list[Node]) -> str:
     )
     return (
         f"no live node of the Ray cluster ({len(nodes)} alive) can build it: {what} "
-        "(`ray start --resources \"$(pipeline cluster resources)\"` on a host that has them)"
+        '(`ray start --resources "$(pipeline cluster resources)"` on a host that has them)'
     )
 
 

@@ -22,6 +22,7 @@ from pipeline.errors import RegistryError, ValidationFailed
 from pipeline.project import Project, inputs_sha256
 from pipeline.recipe import Gates, ServeSpec
 from pipeline.registry import Registry
+from pipeline.spec import KINDS
 from pipeline.targets.int4 import BACKENDS
 from tests.conftest import GPU_TEST_SHARE, read_json, require_environments, write_recipe
 
@@ -203,6 +204,20 @@ def test_the_serve_knobs_reach_both_engines_commands() -> None:
     assert "--port 9000 --context-length 2048" in command
     assert command.endswith("--attention-backend triton --disable-cuda-graph")
     assert "--enforce-eager" not in vllm.serve_command(ServeSpec(), "modelopt", "bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("backend", "named"), [("llm-compressor", "compressed-tensors"), ("gptqmodel", None)]
+)
+def test_sglang_reads_gptqmodel_formats_from_the_checkpoint(backend: str, named: str | None) -> None:
+    """Named `--quantization gptq`, SGLang keeps its slow GPTQ kernel instead of converting to
+    Marlin: GPTQModel's checkpoints leave the method to their config, in both engines."""
+    for kind in ("awq", "gptq"):
+        target = KINDS[kind].model_validate({"kind": kind, "backend": backend, "gates": LOOSE})
+        assert target.sglang_quantization == target.quantization == named
+        command = sglang.serve_command(ServeSpec(), target.sglang_quantization, "float16")
+        assert ("--quantization" in command) == (named is not None)
+        assert "--dtype float16" in command
 
 
 @pytest.mark.gpu

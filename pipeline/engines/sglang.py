@@ -19,11 +19,13 @@ VALIDATE_TIMEOUT_S = 1800
 EAGER_FLAG = "--disable-cuda-graph"  # the offline engine's mode (disable_cuda_graph), for the serve check
 
 
-def serve_command(serve: ServeSpec, quantization: str, dtype: str) -> str:
-    """The deploy command for a checkpoint in SGLang's server, with the recipe's knobs."""
+def serve_command(serve: ServeSpec, quantization: str | None, dtype: str) -> str:
+    """The deploy command for a checkpoint in SGLang's server, with the recipe's knobs
+    (quantization None: SGLang reads the method from the checkpoint's config)."""
     knobs = serve.sglang
     argv = ["python", "-m", "sglang.launch_server", "--model-path", ARTIFACT_DIR]
-    argv += ["--quantization", quantization, "--dtype", dtype]
+    argv += ["--quantization", quantization] if quantization else []
+    argv += ["--dtype", dtype]
     argv += ["--host", serve.host, "--port", str(serve.port)]
     argv += ["--context-length", str(knobs.context_length)]
     argv += ["--mem-fraction-static", str(knobs.mem_fraction_static)]
@@ -33,7 +35,7 @@ def serve_command(serve: ServeSpec, quantization: str, dtype: str) -> str:
 
 
 def validate(
-    ctx: BuildContext, name: str, artifact: Path, quantization: str, dtype: str, gates: Gates
+    ctx: BuildContext, name: str, artifact: Path, quantization: str | None, dtype: str, gates: Gates
 ) -> EngineVerdict:
     command = serve_command(ctx.loaded.recipe.serve, quantization, dtype)
     details = {"quantization": quantization, "command": command}

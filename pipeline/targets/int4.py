@@ -76,9 +76,11 @@ class Int4Target(Target):
         return QUANTIZATION if self.backend == "llm-compressor" else None
 
     @property
-    def sglang_quantization(self) -> str:
-        """SGLang's --quantization, which it needs named: GPTQModel's formats are the method's."""
-        return self.quantization or self.kind
+    def sglang_quantization(self) -> str | None:
+        """SGLang's --quantization: as vLLM's. GPTQModel's formats are left to the checkpoint's
+        config, as SGLang's docs ask for offline-quantized models: it converts them to its Marlin
+        kernels only when the method is not named (`--quantization gptq` keeps the GPTQ kernel)."""
+        return self.quantization
 
     def check(self, config: dict[str, Any] | None) -> list[str]:
         """The group size must divide every quantized layer's input size: say so now, not after

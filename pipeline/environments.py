@@ -43,6 +43,8 @@ from pipeline.errors import DiskFullError, EngineError
 from pipeline.workers.protocol import UsageSampler, dying_with_parent, last_error_line
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# vLLM's words when its engine core process failed to start: the cause is in the step's output
+ROOT_CAUSE_ABOVE = "See root cause above."
 
 
 @dataclass(frozen=True)
@@ -209,14 +211,24 @@ def run_step(
         result = json.loads(res.read_text()) if res.is_file() and res.stat().st_size else None
     if result is not None and "error" in result:
         kind = DiskFullError if result.get("disk_full") else EngineError
-        raise kind(f"{module} {op}: {result['error']} (log: {log_path})")
+        error = result["error"]
+        if ROOT_CAUSE_ABOVE in error:  # vLLM: its engine core process printed why, not the worker
+            said = _step_output(log_path, step_start)
+            cause = last_error_line("\n".join(ln for ln in said.splitlines() if ROOT_CAUSE_ABOVE not in ln))
+            error = f"{error.split(ROOT_CAUSE_ABOVE)[0].strip()} {cause}"
+        raise kind(f"{module} {op}: {error} (log: {log_path})")
     if proc.returncode != 0 or result is None:
-        with open(log_path, "rb") as log:  # what the engine said before it died, if anything
-            log.seek(step_start)
-            said = log.read().decode(errors="replace")
+        said = _step_output(log_path, step_start)  # what the engine said before it died, if anything
         why = f": {last_error_line(said)}" if said.strip() else ""
         raise EngineError(f"{module} {op}: {_describe_exit(proc.returncode)}{why} (log: {log_path})")
     return result
+
+
+def _step_output(log_path: Path, start: int) -> str:
+    """What the step wrote to its log (from byte `start`)."""
+    with open(log_path, "rb") as log:
+        log.seek(start)
+        return log.read().decode(errors="replace")
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

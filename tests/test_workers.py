@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -40,6 +41,27 @@ def test_a_crash_names_the_engines_last_error(tmp_path: Path, monkeypatch: pytes
     assert str(caught.value).startswith(
         f"pipeline.workers.llamacpp toolchain: engine process crashed (SIGKILL): {said} (log: "
     )
+
+
+def test_an_engine_core_failure_names_its_root_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's engine raises "Engine core initialization failed. See root cause above." in the
+    worker; the cause is what its engine core process printed (pytest -m gpu on the H200,
+    2026-12-03, reported only the first)."""
+    cause = "ValueError: Free memory on device (20.1/139.8 GiB) on startup is less than desired"
+    error = "Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+    result = json.dumps({"error": error})
+    body = (
+        "echo '(EngineCore pid=7) Traceback (most recent call last):' >&2\n"
+        f"echo '(EngineCore pid=7) {cause}' >&2\n"
+        f"echo 'RuntimeError: {error}' >&2\n"
+        f"for arg; do res=$arg; done; printf '%s' '{result}' > \"$res\""  # the last argument
+    )
+    monkeypatch.setenv("PIPELINE_LLAMACPP_PYTHON", _script(tmp_path / "py", body))
+    with pytest.raises(EngineError) as caught:
+        run_step("llamacpp", {"op": "toolchain"}, tmp_path / "log")
+    assert str(caught.value).startswith(
+        f"pipeline.workers.llamacpp toolchain: Engine core initialization failed. {cause} (log: "
+    ), str(caught.value)
 
 
 def test_a_step_worker_dies_with_its_build(tmp_path: Path) -> None:

@@ -333,7 +333,7 @@ def run_targets(
                     "reason": verdict.get("reason"),
                     "quant": m["quant"],
                     "library": (m.get("quantization") or {}).get("library"),
-                    "kernels": _kernels(project.layout.logs_dir / f"{target}.log", engine),
+                    "kernels": _kernels(project.layout.logs_dir, target, engine),
                     "size_mib": round(sum(f["bytes"] for f in m["files"]) / 2**20, 1),
                     "ppl_delta_pct": vm.get("ppl_delta_pct"),
                     "kld": vm.get("kld_mean") if vm.get("kld_mean") is not None else vm.get("kld_topk_mean"),
@@ -429,20 +429,23 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 KERNEL_LINE = re.compile(
-    r"Using (\w*Kernel\w*)(?: for (\w+))?|\b(\w*[Mm]arlin\w*|\w*[Mm]achete\w*|[Ee]x[Ll]lama\w*)\b"
+    r"(?:Using|Selected) (\w*Kernel\w*)(?: for (\w+))?"
+    r"|\b(\w*[Mm]arlin\w*|\w*[Mm]achete\w*|[Ee]x[Ll]lama\w*)\b"
 )
 
 
-def _kernels(log: Path, engine: str) -> list[str]:
-    """The linear kernels `engine` named while validating (its log sections of the target's build
-    log): vLLM says "Using MacheteLinearKernel for CompressedTensorsWNA16"; others name Marlin."""
-    if not log.is_file():
-        return []
+def _kernels(logs: Path, target: str, engine: str) -> list[str]:
+    """The linear kernels `engine` named while validating `target` (its sections of the target's
+    build log, then its serve check's server log): vLLM says "Using MacheteLinearKernel for
+    CompressedTensorsWNA16"; SGLang's server "Using awq_marlin kernel" (its offline engine logs
+    nothing, nor does it name the kernel of a compressed-tensors checkpoint)."""
     found: dict[str, None] = {}
-    for section in log.read_text(errors="replace").split("\n=== ")[1:]:
-        if not section.startswith(f"pipeline.workers.{engine} op=validate"):
-            continue
-        for m in KERNEL_LINE.finditer(section):
+    log, server_log = logs / f"{target}.log", logs / f"{target}-{engine}-server.log"
+    sections = log.read_text(errors="replace").split("\n=== ")[1:] if log.is_file() else []
+    texts = [s for s in sections if s.startswith(f"pipeline.workers.{engine} op=validate")]
+    texts += [server_log.read_text(errors="replace")] if server_log.is_file() else []
+    for text in texts:
+        for m in KERNEL_LINE.finditer(text):
             found[" for ".join(g for g in m.groups()[:2] if g) if m.group(1) else m.group(3)] = None
     return list(found)[:8]
 

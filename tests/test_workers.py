@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.environments import StepUsage, environment, locked_environments, run_step
-from pipeline.errors import EngineError
+from pipeline.errors import DiskFullError, EngineError
 from pipeline.project import Project
 from pipeline.workers.protocol import group_rss_bytes
 from tests.conftest import write_recipe
@@ -62,6 +62,30 @@ def test_an_engine_core_failure_names_its_root_cause(tmp_path: Path, monkeypatch
     assert str(caught.value).startswith(
         f"pipeline.workers.llamacpp toolchain: Engine core initialization failed. {cause} (log: "
     ), str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "said", ["basic_ios::clear: iostream error", "OSError: 884736 requested and 476224 written"]
+)
+def test_a_step_that_fills_its_disk_is_a_full_disk_error(
+    tmp_path: Path, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch, said: str
+) -> None:
+    """What llama-quantize and numpy say when the disk fills: exit 4 (DiskFullError) naming the
+    output and the bytes free there, not an engine crash (exit 5)."""
+    out = small_tmpfs / "x" / "model.gguf"
+    fill = f"head -c 40000000 /dev/zero > {small_tmpfs}/model.part 2>/dev/null; echo '{said}' >&2; exit 1"
+    monkeypatch.setenv("PIPELINE_LLAMACPP_PYTHON", _script(tmp_path / "py", fill))
+    with pytest.raises(DiskFullError) as caught:
+        run_step("llamacpp", {"op": "quantize", "out_path": str(out)}, tmp_path / "log")
+    message = str(caught.value)
+    assert message.startswith(f"pipeline.workers.llamacpp quantize: no space left on device writing {out} (")
+    assert " bytes free there; the tool said: " in message and said in message
+    assert DiskFullError.exit_code == 4
+    (small_tmpfs / "model.part").unlink()  # the same failure with room left is the tool's own
+    monkeypatch.setenv("PIPELINE_LLAMACPP_PYTHON", _script(tmp_path / "py2", f"echo '{said}' >&2; exit 1"))
+    with pytest.raises(EngineError) as caught:
+        run_step("llamacpp", {"op": "quantize", "out_path": str(out)}, tmp_path / "log")
+    assert not isinstance(caught.value, DiskFullError)
 
 
 def test_a_step_worker_dies_with_its_build(tmp_path: Path) -> None:
@@ -285,3 +309,11 @@ def test_a_recipe_limit_for_an_unknown_step_is_refused(tiny_recipe_dir: Path) ->
 
     with pytest.raises(RecipeError, match=r"step_limits_s.*unknown step 'conver'"):
         load_recipe(write_recipe(tiny_recipe_dir / "tiny.yaml", step_limits_s={"conver": 3}))
+
+
+def test_numpys_short_write_is_a_full_disk() -> None:
+    """numpy's tofile on a full disk raises an OSError without errno, saying how much it wrote."""
+    from pipeline.workers.protocol import is_disk_full
+
+    assert is_disk_full(OSError("884736 requested and 476224 written"))
+    assert not is_disk_full(OSError("[Errno 13] Permission denied: 'x'"))

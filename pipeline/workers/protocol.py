@@ -39,11 +39,16 @@ def dying_with_parent(argv: list[str], python: str = sys.executable) -> list[str
 
 
 def is_disk_full(exc: BaseException) -> bool:
-    """ENOSPC/EDQUOT, or numpy's own preallocation message (an OSError without errno)."""
+    """ENOSPC/EDQUOT, or numpy's own messages (OSErrors without errno): its preallocation's and its
+    short write's ("884736 requested and 476224 written")."""
     if not isinstance(exc, OSError):
         return False
+    said = str(exc)
     return (
-        exc.errno in (errno.ENOSPC, errno.EDQUOT) or "free space" in str(exc) or "No space left" in str(exc)
+        exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        or "free space" in said
+        or "No space left" in said
+        or re.search(r"\d+ requested and \d+ written", said) is not None
     )
 
 

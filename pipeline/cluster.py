@@ -7,7 +7,7 @@ builds it runs at once. A target's task asks for the environments it needs, the 
 an engine is tied to and one slot; a target no live node advertises all of is `unavailable`.
 
 Bytes. The artifacts root is the shared storage: a filesystem every node mounts at the same path
-(NFS, a KubeRay volume). A task builds in its node's own workspace, copies the complete artifact
+(NFS, a KubeRay volume). A task builds in its host's workspace, copies the complete artifact
 into `<root>/<recipe>/.incoming/` under a temporary name, renames it when complete and returns
 only the manifest. The driver checks the files against it and records the version exactly as a
 plain build does (it is the registry's one writer). Shared steps (source, reference) run once, in
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -345,10 +346,13 @@ def build_on_cluster(
 # --- what runs on the nodes -----------------------------------------------------------------
 
 
-def node_workspace(node_id: str) -> Path:
-    """This node's own artifacts root: PIPELINE_NODE_WORKSPACE, else the temp dir; one per node."""
+def node_workspace() -> Path:
+    """This host's artifacts root for the builds its nodes run: PIPELINE_NODE_WORKSPACE, else the
+    temp dir, then the host's name. Every run and every node of a host reuse it and its caches (the
+    F16 base of a GGUF target), under one recipe's locks; a dead task's temporaries are swept as in
+    any root. (Keyed by Ray's node id, new at every start, each run left its caches behind.)"""
     base = os.environ.get("PIPELINE_NODE_WORKSPACE") or Path(tempfile.gettempdir()) / "pipeline-node"
-    return Path(base) / node_id[:12]
+    return Path(base) / (re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host")
 
 
 def _prepare_task(recipe_path: str, root: str) -> str:
@@ -370,9 +374,10 @@ def _build_task(
     shared = Project.open(recipe_path, root=Path(root))
     incoming = shared.layout.recipe_dir / INCOMING_DIRNAME
     incoming.mkdir(parents=True, exist_ok=True)
-    marker = {"node": node, "host": socket.gethostname(), "pid": os.getpid()}
+    workspace = node_workspace()
+    marker = {"node": node, "host": socket.gethostname(), "pid": os.getpid(), "workspace": str(workspace)}
     (incoming / f"{attempt}.running").write_text(json.dumps(marker))
-    project = Project.open(recipe_path, root=node_workspace(node))
+    project = Project.open(recipe_path, root=workspace)
     sweep_leftovers(project.layout)
     spec = project.select([name])[name]
     ctx = project.context(threads=threads, node=node)

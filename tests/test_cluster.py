@@ -43,7 +43,7 @@ CPU_ONLY = {RESOURCE_SLOT: 1, RESOURCE_ENV + "transformers": 1}  # lacks llama.c
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, dict[str, str]]]:
     """A head node that builds nothing and three nodes: two that can build GGUF, one that cannot.
-    Each node's workspace is its own directory (PIPELINE_NODE_WORKSPACE is read per node id)."""
+    They share this host's workspace under PIPELINE_NODE_WORKSPACE."""
     workspace = tmp_path_factory.mktemp("node-workspaces")
     old = os.environ.get("PIPELINE_NODE_WORKSPACE")
     os.environ["PIPELINE_NODE_WORKSPACE"] = str(workspace)  # the nodes' processes inherit it
@@ -120,7 +120,7 @@ def test_a_killed_build_task_is_retried_on_another_node_and_the_registry_loses_n
     while killed is None and time.monotonic() < deadline and build.poll() is None:
         for marker in incoming.glob("gguf-f16--*.running") if incoming.is_dir() else []:
             task = json.loads(marker.read_text())
-            staging = workspace / task["node"][:12] / "tiny"
+            staging = Path(task["workspace"]) / "tiny"
             if any(p.name.startswith(f"{STAGING_PREFIX}gguf-f16-") for p in staging.glob(".*")):
                 os.kill(task["pid"], signal.SIGKILL)  # mid-build: its staging directory exists
                 killed = task["node"]
@@ -137,6 +137,11 @@ def test_a_killed_build_task_is_retried_on_another_node_and_the_registry_loses_n
     assert registry.verify("tiny/gguf-f16") == []
     assert "built on" in out and manifest["build"]["node"][:12] in out
     _no_leftovers(_isolated_artifacts / "tiny")
+    # this run and the previous test's, on three nodes of one host: one workspace, whose temporaries
+    # (the killed task's staging directory) are gone and whose F16 base was made once
+    [host] = workspace.iterdir()
+    assert host == Path(task["workspace"]) and not list(host.glob(f"tiny/{STAGING_PREFIX}*"))
+    assert sorted(p.name for p in host.glob("tiny/.cache/*")) == ["gguf-base-f16", "gguf-kld-base-f16"]
 
 
 def test_an_unreachable_cluster_is_one_line_and_builds_nothing(

@@ -142,3 +142,6 @@ VLLM_CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; without it the CPU backend reserves 90 % of the RAM
     "VLLM_CPU_INT4_W4A8": "0",  # score true W4A16, not int8-activation kernels
 }
+# A step or serving level during which other processes used more than this share of the host's CPUs
+# (UsageSampler.others_cpu_share) has contended timings: the manifest, the report and `select` say so.
+CONTENDED_SHARE = 0.25

@@ -145,6 +145,7 @@ class StepUsage:
     seconds: float
     peak_rss_mib: float
     peak_gpu_mib: float | None
+    others_cpu_share: float | None = None  # UsageSampler.others_cpu_share: the host's contention
 
 
 def run_step(
@@ -210,6 +211,7 @@ def run_step(
                         StepUsage(
                             env, op, log_path.stem, round(time.perf_counter() - t0, 2),
                             round(sampler.peak_rss / 2**20, 1), sampler.peak_gpu_mib,
+                            sampler.others_cpu_share(),
                         )
                     )  # fmt: skip
             _kill_group(proc)  # whatever the step left running (a server it started)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.constants import MANIFEST_NAME, MANIFEST_SCHEMA
+from pipeline.constants import CONTENDED_SHARE, MANIFEST_NAME, MANIFEST_SCHEMA
 from pipeline.errors import DiskFullError, RegistryError
 
 Status = Literal["passed", "failed", "skipped", "unavailable"]
@@ -92,7 +92,9 @@ class Validation(_Model):
 
 class StepRecord(_Model):
     """One step a build ran in a tool environment: wall time, peak RSS of its process group, peak
-    GPU memory in use (device-wide; None without an NVIDIA GPU). pipeline.environments.StepUsage."""
+    GPU memory in use (device-wide; None without an NVIDIA GPU), and the share of the host's CPUs
+    other processes used meanwhile (above CONTENDED_SHARE its timings are contended; None in
+    manifests from before 2026-12-03). pipeline.environments.StepUsage."""
 
     env: str
     op: str
@@ -100,6 +102,11 @@ class StepRecord(_Model):
     seconds: float
     peak_rss_mib: float
     peak_gpu_mib: float | None = None
+    others_cpu_share: float | None = None
+
+    @property
+    def contended(self) -> bool:
+        return (self.others_cpu_share or 0.0) > CONTENDED_SHARE
 
 
 class BuildInfo(_Model):
@@ -128,6 +135,11 @@ class ServingLevel(_Model):
     requests_per_s: float | None = None
     peak_rss_mib: float | None = None  # the server's process group
     peak_gpu_mib: float | None = None  # device-wide, None without an NVIDIA GPU
+    others_cpu_share: float | None = None  # other processes' share of the host's CPUs meanwhile
+
+    @property
+    def contended(self) -> bool:
+        return (self.others_cpu_share or 0.0) > CONTENDED_SHARE
 
 
 class ServingResult(_Model):

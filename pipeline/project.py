@@ -47,6 +47,8 @@ METRIC_COLUMNS = (
     "ppl", "ppl_ref", "ppl_delta_pct", "kld_mean", "kld_topk_mean", "token_agreement", "top1_agreement",
     "tokens_per_s",
 )  # fmt: skip
+# ... and for each serving benchmark level (`serving_c<concurrency>_<metric>`)
+SERVING_METRICS = ("ttft_ms_p99", "itl_ms_p99", "output_tokens_per_s", "peak_rss_mib", "others_cpu_share")
 
 
 @dataclass(frozen=True)
@@ -324,10 +326,13 @@ class Project:
             "verdicts": {engine: verdict.status for engine, verdict in v.engines.items()},
             **{k: m.get(k) for k in METRIC_COLUMNS},
         }
+        # the host's contention while the engines validated (tokens_per_s) and served (each level)
+        shares = [s.others_cpu_share for s in manifest.build.steps if s.op == "validate"]
+        record["tokens_per_s_others_cpu_share"] = max((x for x in shares if x is not None), default=None)
         for engine, result in manifest.serving.items():
             record[f"serving_{engine}"] = result.status
             for level in result.levels.values():
-                for key in ("ttft_ms_p99", "itl_ms_p99", "output_tokens_per_s", "peak_rss_mib"):
+                for key in SERVING_METRICS:
                     record[f"serving_c{level.concurrency}_{key}"] = getattr(level, key)
         write_json_atomic(self.layout.metrics_path(target, gpu_host), record)
 

@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import write_text_atomic
+from pipeline.constants import CONTENDED_SHARE
 from pipeline.errors import PipelineError
 
-SERVING_KEY = re.compile(r"^serving_c(\d+)_(ttft_ms_p99|itl_ms_p99|output_tokens_per_s|peak_rss_mib)$")
+SERVING_KEY = re.compile(
+    r"^serving_c(\d+)_(ttft_ms_p99|itl_ms_p99|output_tokens_per_s|peak_rss_mib|others_cpu_share)$"
+)
 # Chart ids in the page; a test counts each chart's marks by them.
 SIZE_CHART, SERVING_CHART = "size-vs-ppl", "throughput-vs-ttft"
 
@@ -31,6 +34,7 @@ class ServingPoint:
     itl_ms_p99: float | None = None
     output_tokens_per_s: float | None = None
     peak_rss_mib: float | None = None
+    others_cpu_share: float | None = None  # other processes' share of the host's CPUs meanwhile
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class ReportRow:
     kld_topk_mean: float | None
     token_agreement: float | None
     tokens_per_s: float | None
+    tokens_per_s_others_cpu_share: float | None = None
     serving_status: str | None = None
     serving: list[ServingPoint] = field(default_factory=list)
 
@@ -67,6 +72,7 @@ class ReportRow:
             kld_topk_mean=record.get("kld_topk_mean"),
             token_agreement=record.get("token_agreement"),
             tokens_per_s=record.get("tokens_per_s"),
+            tokens_per_s_others_cpu_share=record.get("tokens_per_s_others_cpu_share"),
             serving_status=record.get(f"serving_{record.get('engine')}"),
             serving=[ServingPoint(c, **levels[c]) for c in sorted(levels)],
         )
@@ -166,6 +172,14 @@ def _cell(value: Any, spec: str = "") -> str:
     return "–" if value is None else html.escape(format(value, spec))
 
 
+def _contended(others_cpu_share: float | None) -> str:
+    """A mark for a number measured while other processes used the host (CONTENDED_SHARE)."""
+    if others_cpu_share is None or others_cpu_share <= CONTENDED_SHARE:
+        return ""
+    title = f"other processes used {others_cpu_share:.0%} of the CPUs"
+    return f' <span class="contended" title="{title}">contended</span>'
+
+
 def _table(rows: list[ReportRow]) -> str:
     head = "".join(f"<th>{html.escape(c)}</th>" for c in TABLE_COLUMNS)
     body = []
@@ -174,9 +188,13 @@ def _table(rows: list[ReportRow]) -> str:
         cells = (
             _cell(r.target), _cell(r.engine), _cell(r.quant), _cell(r.status), _cell(r.size_mib, ".1f"),
             _cell(r.ppl_delta_pct, "+.2f"), _cell(r.kld_mean, ".4f"), _cell(r.kld_topk_mean, ".4f"),
-            _cell(r.token_agreement, ".3f"), _cell(r.tokens_per_s, ".1f"), _cell(r.serving_status),
-            _cell(low and low.ttft_ms_p99, ".0f") + (f" (c={low.concurrency})" if low else ""),
-            _cell(high and high.output_tokens_per_s, ".1f") + (f" (c={high.concurrency})" if high else ""),
+            _cell(r.token_agreement, ".3f"),
+            _cell(r.tokens_per_s, ".1f") + _contended(r.tokens_per_s_others_cpu_share),
+            _cell(r.serving_status),
+            _cell(low and low.ttft_ms_p99, ".0f") + (f" (c={low.concurrency})" if low else "")
+            + _contended(low and low.others_cpu_share),
+            _cell(high and high.output_tokens_per_s, ".1f") + (f" (c={high.concurrency})" if high else "")
+            + _contended(high and high.others_cpu_share),
         )  # fmt: skip
         body.append(f'<tr class="status-{html.escape(r.status or "none")}">' + "".join(
             f"<td>{c}</td>" for c in cells) + "</tr>")  # fmt: skip

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from pipeline.constants import ENGINE_VERSION_SOURCES, STATUS_PASSED
+from pipeline.constants import CONTENDED_SHARE, ENGINE_VERSION_SOURCES, STATUS_PASSED
 from pipeline.errors import RegistryError
 from pipeline.registry import Registry
 
@@ -196,6 +196,12 @@ def _reasons(c: Candidate, s: Scenario) -> list[str]:
             f"at concurrency {s.concurrency}: {level['output_tokens_per_s']:.1f} output tokens/s, "
             f"TTFT p99 {level['ttft_ms_p99']:.0f} ms, ITL p99 {level['itl_ms_p99']:.1f} ms"
         )
+        others = level.get("others_cpu_share")
+        if others is not None and others > CONTENDED_SHARE:
+            reasons.append(
+                f"CONTENDED: other processes used {others:.0%} of the host's CPUs during that benchmark; "
+                "rebuild it with the host to itself (`pipeline build --force`) for clean numbers"
+            )
     return reasons
 
 

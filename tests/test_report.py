@@ -109,3 +109,25 @@ def test_serving_levels_are_read_back_from_the_metrics_keys() -> None:
                                                             {8: (5.0, 80.0), 1: (1.0, 10.0)})})  # fmt: skip
     assert [p.concurrency for p in row.serving] == [1, 8]
     assert row.serving_status == "passed" and row.at(8).output_tokens_per_s == 80.0 and row.at(2) is None
+
+
+def test_numbers_measured_on_a_busy_host_are_marked_contended() -> None:
+    """A level or a validation during which other processes took over a quarter of the CPUs says so
+    in the table; a quiet one does not."""
+    from pipeline.report import _table
+
+    record = {
+        "target": "t",
+        **_metrics("t", "llama.cpp", "Q8_0", "passed", 1.0, 0.5, {1: (5.0, 80.0), 4: (9.0, 90.0)}),
+    }
+    quiet = _table([ReportRow.from_metrics({**record, "serving_c1_others_cpu_share": 0.02})])
+    assert "contended" not in quiet
+    busy = ReportRow.from_metrics(
+        {**record, "serving_c1_others_cpu_share": 0.6, "serving_c4_others_cpu_share": 0.1,
+         "tokens_per_s_others_cpu_share": 0.9}
+    )  # fmt: skip
+    assert busy.at(1).others_cpu_share == 0.6
+    cells = _table([busy]).split("<td>")
+    marked = [c for c in cells if "contended" in c]
+    assert len(marked) == 2 and "other processes used 60% of the CPUs" in "".join(marked)
+    assert any(c.startswith("50.0 ") for c in marked)  # tokens/s, 90 % busy

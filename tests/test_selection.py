@@ -153,3 +153,23 @@ def test_select_cli(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None
     assert "no artifact fits this scenario" in res.output and "ΔPPL +0.50 % > 0.1 %" in res.output
     res = runner.invoke(app, ["registry", "select", "--cpu", "--gpu-arch", "sm90"])
     assert res.exit_code != 0 and "exclude each other" in res.output
+
+
+def test_a_contended_benchmark_is_named_in_the_reasons(tmp_path: Path) -> None:
+    """TTFT measured while another build ran is not a latency anyone can get: `select` says so."""
+    root = tmp_path / "artifacts"
+    busy = _level(1, 6600, 50, 2.1).model_copy(update={"others_cpu_share": 0.8})
+    _measured(root, "gguf-q8_0", "llama.cpp", 0.5, levels=[busy])
+    _measured(
+        root,
+        "gguf-q4_0",
+        "llama.cpp",
+        20.0,
+        levels=[_level(1, 60, 30, 35).model_copy(update={"others_cpu_share": 0.05})],
+    )
+    reg = Registry(root)
+    reg.rebuild()
+    answer = select(reg, Scenario(model="m", cpu=True, objective="latency", concurrency=1))
+    reasons = {c["target"]: " ".join(c["reasons"]) for c in answer["ranked"]}
+    assert "CONTENDED: other processes used 80% of the host's CPUs" in reasons["gguf-q8_0"]
+    assert "CONTENDED" not in reasons["gguf-q4_0"]

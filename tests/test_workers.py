@@ -236,6 +236,38 @@ def test_step_usage_is_recorded_for_a_step_and_a_failed_one(tmp_path: Path) -> N
     assert all(u.seconds > 0 for u in seen)
     # a step can end within ~0.1 s, at its first sample (seen: 2.4 MiB of a python just started)
     assert seen[0].peak_rss_mib > 0
+    # the host's contention: a share of its CPUs, or None for a step shorter than two samples
+    assert all(u.others_cpu_share is None or 0.0 <= u.others_cpu_share <= 1.0 for u in seen)
+
+
+def test_the_sampler_counts_other_processes_cpu_and_not_the_groups() -> None:
+    """UsageSampler's contention measure: a process spinning outside the sampled group takes about
+    one CPU's share; the same spinning inside the group is the step's own work and is not counted."""
+    import subprocess
+    import sys
+    import time
+
+    from pipeline.workers.protocol import UsageSampler
+
+    spin = [sys.executable, "-c", "import time\nend = time.time() + 2.5\nwhile time.time() < end: pass"]
+    cpus = len(os.sched_getaffinity(0))
+    step = subprocess.Popen(["sleep", "30"], start_new_session=True)  # a quiet sampled group
+    try:
+        shares = []
+        for inside_the_group in (False, True):
+            spinner = subprocess.Popen(spin, start_new_session=True)
+            time.sleep(0.3)  # its interpreter has started
+            with UsageSampler(spinner.pid if inside_the_group else step.pid, interval_s=0.2) as sampler:
+                time.sleep(1.6)
+            spinner.wait()
+            shares.append(sampler.others_cpu_share())
+    finally:
+        step.kill()
+        step.wait()
+    outside, inside = shares
+    assert outside is not None and inside is not None
+    assert outside >= 0.7 / cpus, (outside, cpus)
+    assert inside <= outside - 0.5 / cpus, (inside, outside)
 
 
 def test_group_rss_counts_every_process_of_the_group() -> None:

@@ -99,7 +99,15 @@ def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
         levels = []
         for level, (start, end) in parse_report(report):
             rss, gpu = usage.peaks(start, end)
-            levels.append({**level, "peak_rss_mib": round(rss / MIB, 1), "peak_gpu_mib": gpu})
+            others = usage.others_cpu_share(start, end)
+            levels.append(
+                {
+                    **level,
+                    "peak_rss_mib": round(rss / MIB, 1),
+                    "peak_gpu_mib": gpu,
+                    "others_cpu_share": others,
+                }
+            )
         for level in levels:
             if not level["completed"]:
                 raise RuntimeError(

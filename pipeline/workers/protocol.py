@@ -99,14 +99,19 @@ def gpu_memory_used_mib(nvidia_smi: str) -> float | None:
 
 
 class UsageSampler:
-    """Samples a process group's summed RSS (from /proc) and the GPUs' used memory (nvidia-smi,
-    device-wide; None without one) every interval_s in a thread while in use (`with`), and keeps
-    every sample, so a caller can ask for the peaks of a time window (one load level)."""
+    """Samples a process group's summed RSS (from /proc), the GPUs' used memory (nvidia-smi,
+    device-wide; None without one) and the CPU time every other process of the host used (outside
+    that group and the sampler's own), every interval_s in a thread while in use (`with`). Keeps
+    every sample, so a caller can ask for a time window's peaks and contention (one load level)."""
 
     def __init__(self, pgid: int, interval_s: float = 0.5) -> None:
         self.pgid, self.interval_s = pgid, interval_s
-        self.samples: list[tuple[float, int, float | None]] = []  # (time.time(), rss bytes, gpu MiB)
+        # (time.time(), rss bytes, gpu MiB, other processes' CPU seconds since the first sample)
+        self.samples: list[tuple[float, int, float | None, float]] = []
         self._nvidia_smi = shutil.which("nvidia-smi")
+        self._mine = os.getpgrp()
+        self._others: dict[int, int] = {}  # pid -> its CPU ticks when last seen
+        self._others_s = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -121,17 +126,50 @@ class UsageSampler:
     def _loop(self) -> None:
         while True:
             gpu = gpu_memory_used_mib(self._nvidia_smi) if self._nvidia_smi else None
-            self.samples.append((time.time(), group_rss_bytes(self.pgid), gpu))
+            rss = self._scan()
+            self.samples.append((time.time(), rss, gpu, self._others_s))
             if self._stop.wait(self.interval_s):
                 return
+
+    def _scan(self) -> int:
+        """The group's RSS; adds the CPU time other processes used since the last scan (a process
+        first seen now counts whole, except at the first scan)."""
+        rss, seen, first = 0, {}, not self.samples
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                pgrp = int(fields[2])  # after "pid (comm)": state, ppid, pgrp; utime, stime: 11, 12
+                if pgrp == self.pgid:
+                    for line in (stat.parent / "status").read_text().splitlines():
+                        if line.startswith("VmRSS:"):
+                            rss += int(line.split()[1]) * 1024
+                elif pgrp != self._mine:
+                    seen[int(stat.parent.name)] = int(fields[11]) + int(fields[12])
+            except (OSError, IndexError, ValueError):
+                continue  # the process ended while we looked
+        if not first:
+            ticks = sum(max(0, t - self._others.get(pid, 0)) for pid, t in seen.items())
+            self._others_s += ticks / os.sysconf("SC_CLK_TCK")
+        self._others = seen
+        return rss
 
     def peaks(self, start: float = 0.0, end: float = float("inf")) -> tuple[int, float | None]:
         """Peak RSS (bytes) and GPU MiB between start and end, widened by one and a half intervals
         (a window may be shorter than one)."""
         slack = self.interval_s * 1.5
-        inside = [(rss, gpu) for t, rss, gpu in self.samples if start - slack <= t <= end + slack]
+        inside = [(rss, gpu) for t, rss, gpu, _ in self.samples if start - slack <= t <= end + slack]
         gpus = [gpu for _, gpu in inside if gpu is not None]
         return max((rss for rss, _ in inside), default=0), max(gpus) if gpus else None
+
+    def others_cpu_share(self, start: float = 0.0, end: float = float("inf")) -> float | None:
+        """The share of the host's CPUs that other processes used between start and end (0: the
+        host was ours; 1: every CPU busy with something else); None below two samples."""
+        inside = [(t, cpu) for t, _, _, cpu in self.samples if start <= t <= end]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return None
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        share = (inside[-1][1] - inside[0][1]) / ((inside[-1][0] - inside[0][0]) * cpus)
+        return round(min(share, 1.0), 3)
 
     @property
     def peak_rss(self) -> int:

@@ -201,9 +201,24 @@ def version_numbers(versions_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in versions_dir.iterdir() if p.name.isdigit() and p.is_dir())
 
 
+FICLONE = 0x40049409  # Linux ioctl: share the source's extents copy-on-write (btrfs, XFS, bcachefs)
+
+
+def clone_file(src: Path, dst: Path) -> None:
+    """A copy of `src` that shares no writable storage with it: a reflink where the filesystem
+    has them (no bytes copied), else a plain copy. (A hard link would share the inode: an in-place
+    write into the workspace, which root can make into a 0444 file, would change the version.)"""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        try:
+            fcntl.ioctl(fout.fileno(), FICLONE, fin.fileno())
+        except OSError:
+            shutil.copyfileobj(fin, fout, 16 << 20)
+    shutil.copystat(src, dst)
+
+
 def keep_version(artifact_dir: Path, versions_dir: Path) -> tuple[int, Path]:
-    """Record a complete artifact directory as the next version of its target: its files hard-linked
-    (copied where links are impossible) into `versions_dir/<N>/`, read-only, made under a temporary
+    """Record a complete artifact directory as the next version of its target: its files cloned
+    (reflinked or copied: clone_file) into `versions_dir/<N>/`, read-only, made under a temporary
     name and renamed into place, so a version is complete or absent. Returns (N, its directory)."""
     versions_dir.mkdir(parents=True, exist_ok=True)
     tmp = versions_dir / f".tmp-{os.getpid()}"
@@ -214,10 +229,7 @@ def keep_version(artifact_dir: Path, versions_dir: Path) -> tuple[int, Path]:
             if src.is_dir():
                 continue
             dst.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(src, dst)
-            except OSError:  # another filesystem, or links not allowed
-                shutil.copy2(src, dst)
+            clone_file(src, dst)
             dst.chmod(0o444)  # nothing may rewrite a version in place (pipeline never does)
         while True:
             number = max(version_numbers(versions_dir), default=0) + 1

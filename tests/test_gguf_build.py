@@ -113,6 +113,21 @@ def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_art
     again = build_recipe(recipe, threads=2)
     assert {r.outcome for r in again} == {"up-to-date"}
 
+    # One byte written in place into the workspace's 0444 file (root can): the kept version shares
+    # no storage with it, and the next build finds the damage instead of calling it up to date.
+    model, kept = root / "gguf-f16" / entry["path"], root / ".versions" / "gguf-f16" / "1" / entry["path"]
+    model.chmod(0o644)
+    with open(model, "r+b") as fh:
+        fh.seek(model.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    assert file_sha256(kept) == entry["sha256"] != file_sha256(model)
+    [rebuilt] = build_recipe(recipe, ["gguf-f16"], threads=2)
+    assert rebuilt.outcome == "built" and rebuilt.validation == "passed", rebuilt.message
+    assert f"rebuilt: the workspace copy was damaged ({entry['path']}: checksum mismatch)" in rebuilt.message
+    assert file_sha256(model) == entry["sha256"]  # the same bytes again (a deterministic build)
+
     registry = Registry(_isolated_artifacts)
     hit = registry.resolve("tiny", "llama.cpp", "F16", engine_version=entry_version(f16))
     assert Path(hit["path"]) == (root / "gguf-f16").resolve() and hit["files"] == f16["files"]

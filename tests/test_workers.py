@@ -254,20 +254,24 @@ def test_the_sampler_counts_other_processes_cpu_and_not_the_groups() -> None:
     step = subprocess.Popen(["sleep", "30"], start_new_session=True)  # a quiet sampled group
     try:
         shares = []
-        for inside_the_group in (False, True):
-            spinner = subprocess.Popen(spin, start_new_session=True)
+        for spinning in (None, "outside", "inside"):
+            spinner = subprocess.Popen(spin, start_new_session=True) if spinning else None
             time.sleep(0.3)  # its interpreter has started
-            with UsageSampler(spinner.pid if inside_the_group else step.pid, interval_s=0.2) as sampler:
+            sampled = spinner.pid if spinner and spinning == "inside" else step.pid
+            with UsageSampler(sampled, interval_s=0.2) as sampler:
                 time.sleep(1.6)
-            spinner.wait()
+            if spinner:
+                spinner.wait()
             shares.append(sampler.others_cpu_share())
     finally:
         step.kill()
         step.wait()
-    outside, inside = shares
-    assert outside is not None and inside is not None
-    assert outside >= 0.7 / cpus, (outside, cpus)
-    assert inside <= outside - 0.5 / cpus, (inside, outside)
+    assert all(share is not None for share in shares), shares
+    baseline, outside, inside = shares
+    if baseline > 0.5:  # on a saturated host one more process is not seen: nothing to measure
+        pytest.skip(f"the host is busy ({baseline:.0%} of its CPUs used by others)")
+    assert outside - baseline >= 0.6 / cpus, (baseline, outside, cpus)
+    assert inside - baseline <= 0.3 / cpus, (baseline, inside, cpus)
 
 
 def test_group_rss_counts_every_process_of_the_group() -> None:

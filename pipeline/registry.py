@@ -32,7 +32,7 @@ from pipeline.artifacts import (
     versions_dir_of,
 )
 from pipeline.constants import (
-    ENGINE_VERSION_SOURCES,
+    ENGINES,
     MANIFEST_NAME,
     STATUS_PASSED,
     VERSIONS_DIRNAME,
@@ -709,6 +709,5 @@ def _insert_version(db: sqlite3.Connection, version_dir: Path, number: int, mani
 
 def _toolchain_version(manifest: Manifest, engine: str) -> str | None:
     """The engine's version from the toolchain of its environment (a verdict that did not run)."""
-    env, dists = ENGINE_VERSION_SOURCES[engine]
-    versions = manifest.toolchain.get(env, {})
-    return next((versions[d] for d in dists if versions.get(d)), None)
+    versions = manifest.toolchain.get(ENGINES[engine].env, {})
+    return next((versions[d] for d in ENGINES[engine].version_dists if versions.get(d)), None)

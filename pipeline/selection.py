@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from pipeline.constants import CONTENDED_SHARE, ENGINE_VERSION_SOURCES, STATUS_PASSED
+from pipeline.constants import CONTENDED_SHARE, ENGINES, STATUS_PASSED
 from pipeline.errors import RegistryError
 from pipeline.registry import Registry
 
@@ -129,7 +129,7 @@ def select(registry: Registry, scenario: Scenario) -> dict[str, Any]:
     ranked, excluded = [], []
     for c in found:
         steps = registry.show(f"{c.recipe}/{c.target}", c.version)["build"].get("steps") or []
-        env = ENGINE_VERSION_SOURCES.get(c.engine, (None, ()))[0]
+        env = ENGINES[c.engine].env if c.engine in ENGINES else None
         c.memory_mib, c.memory_from = _memory(c, steps, env)
         c.excluded = c.excluded or _exclusion(c, scenario)
         if c.excluded:

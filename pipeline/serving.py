@@ -10,15 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.constants import ENGINE_VERSION_SOURCES, ENGINE_VLLM, ENV_GUIDELLM, STATUS_PASSED, VLLM_CPU_ENV
+from pipeline.constants import ENGINES, ENV_GUIDELLM, STATUS_PASSED
 from pipeline.context import BuildContext
 from pipeline.environments import environment_exists, interpreter
 from pipeline.errors import DiskFullError, EngineError
 from pipeline.manifest import ServingLevel, ServingResult, Validation
 
 READY_TIMEOUT_S = 600  # a vLLM CPU server's first start compiles for minutes
-SERVED_ENGINES = ("llama.cpp", "vllm", "sglang")  # engines whose serve command is an OpenAI server
-SERVER_ENV = {ENGINE_VLLM: VLLM_CPU_ENV}  # the environment the validation's servers run with too
 
 
 def benchmark(
@@ -35,9 +33,9 @@ def benchmark(
     engine = validation.engine
     if not spec.enabled or validation.status != STATUS_PASSED:
         return {}
-    if engine not in SERVED_ENGINES:
+    if not ENGINES[engine].benchmarked:
         return {engine: ServingResult(status="skipped", reason=f"{engine} has no OpenAI server here")}
-    engine_env = ENGINE_VERSION_SOURCES[engine][0]
+    engine_env = ENGINES[engine].env
     if not environment_exists(ENV_GUIDELLM):
         return {
             engine: ServingResult(
@@ -56,7 +54,7 @@ def benchmark(
                 "op": "benchmark",
                 "command": serve_command,
                 "python": interpreter(engine_env),
-                "server_env": SERVER_ENV.get(engine, {}),
+                "server_env": ENGINES[engine].server_env,
                 "model_dir": str(artifact),
                 "tokenizer": str(tokenizer),
                 "workload": workload,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pipeline.constants import ENGINE_KLD_METRIC, ENGINE_VERSION_SOURCES, KLD_GATES
+from pipeline.constants import ENGINES, KLD_GATES
 from pipeline.context import BuildContext
 from pipeline.manifest import EngineVerdict, Metrics, Status
 from pipeline.spec import Gates
@@ -37,7 +37,7 @@ def gate(engine: str, m: Metrics, gates: Gates) -> tuple[Status, str | None]:
         failures.append(f"{', '.join(broken)} not finite")
     if m.ppl_delta_pct > gates.max_ppl_delta_pct:
         failures.append(f"ΔPPL {m.ppl_delta_pct:.3f}% > {gates.max_ppl_delta_pct}%")
-    kld_metric = ENGINE_KLD_METRIC[engine]
+    kld_metric = ENGINES[engine].kld_metric
     limit, value = getattr(gates, KLD_GATES[kld_metric]), getattr(m, kld_metric)
     if value is None or not math.isfinite(value):
         failures.append(f"{engine} reported no finite {kld_metric}")
@@ -50,9 +50,8 @@ def gate(engine: str, m: Metrics, gates: Gates) -> tuple[Status, str | None]:
 
 def engine_version(ctx: BuildContext, engine: str) -> str | None:
     """The version of the serving engine as its environment reports it."""
-    env, dists = ENGINE_VERSION_SOURCES[engine]
-    versions = ctx.versions(env)
-    return next((versions[d] for d in dists if versions.get(d)), None)
+    versions = ctx.versions(ENGINES[engine].env)
+    return next((versions[d] for d in ENGINES[engine].version_dists if versions.get(d)), None)
 
 
 def verdict(

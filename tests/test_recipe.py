@@ -284,3 +284,16 @@ def test_empty_calibration_file(tmp_path: Path) -> None:
     (tmp_path / "cal.txt").write_text("")
     msg = _error(tmp_path, calibration={"dataset": "cal.txt"}, targets={"a": {"kind": "awq", **INT4}})
     assert "calibration.dataset: file 'cal.txt' is empty" in msg
+
+
+def test_the_engine_table_covers_every_kind_and_names_real_environments() -> None:
+    """One table of serving engines (pipeline.constants.ENGINES): every kind's primary engine is in
+    it, each entry runs in an environment of the environment table and measures a gated KL."""
+    from pipeline.constants import ENGINES, KLD_GATES
+    from pipeline.environments import ENVIRONMENTS
+    from pipeline.spec import KINDS
+
+    assert {cls.engine for cls in KINDS.values()} <= ENGINES.keys()
+    for name, engine in ENGINES.items():
+        assert engine.name == name and engine.env in ENVIRONMENTS and engine.version_dists
+        assert engine.kld_metric in KLD_GATES

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, TypeVar, get_args
 from pydantic import model_validator
 
 from pipeline.artifacts import Layout
-from pipeline.constants import ENGINE_KLD_METRIC, GPU_ARCHS, KLD_GATES
+from pipeline.constants import ENGINES, GPU_ARCHS, KLD_GATES
 from pipeline.context import BuildContext
 from pipeline.manifest import Validation
 from pipeline.spec import KINDS, ServeSpec, TargetSpec
@@ -55,7 +55,7 @@ class Target(TargetSpec, ABC):
     def _kld_gates_match_engines(self) -> Target:
         """A KL gate must bound what the serving engines measure: a full-vocabulary KL and a top-k
         lower bound are different numbers (pipeline.workers.scoring)."""
-        measured = {ENGINE_KLD_METRIC[e]: e for e in self.serving_engines()}
+        measured = {ENGINES[e].kld_metric: e for e in self.serving_engines()}
         for metric, gate in KLD_GATES.items():
             value = getattr(self.gates, gate)
             if metric in measured and value is None:

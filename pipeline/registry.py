@@ -246,6 +246,32 @@ class Registry:
             ).fetchone()
         return {"path": entry["path"], "version": entry["version"], **json.loads(manifest)}
 
+    def _unanchored(self, directory: Path) -> list[str]:
+        """Without the sha256 `resolve` printed, a fetched manifest is only self-consistent: it must
+        be one this registry recorded for its recipe/target (an edited manifest with matching file
+        hashes would pass otherwise)."""
+        manifest = read_manifest(directory)
+        sha = file_sha256(directory / MANIFEST_NAME)
+        known: set[str] = set()
+        if self.path.is_file():  # a deploy host has no index: nothing is created for the question
+            with self._db() as db:
+                rows = db.execute(
+                    "SELECT manifest_sha256 FROM versions WHERE recipe = ? AND target = ?",
+                    (manifest.recipe, manifest.target),
+                )
+                known = {r[0] for r in rows}
+        if sha in known:
+            return []
+        if not known:
+            return [
+                f"{MANIFEST_NAME}: nothing to check it against: this registry holds no "
+                f"{manifest.recipe}/{manifest.target}; pass --manifest-sha256 (resolve prints it)"
+            ]
+        return [
+            f"{MANIFEST_NAME}: matches no registered version of {manifest.recipe}/{manifest.target} "
+            "(edited or from another registry); pass --manifest-sha256 (resolve prints it)"
+        ]
+
     def _entry(self, ref: str, version: int | None) -> dict[str, Any]:
         found = self.history(ref)
         if version is None:
@@ -353,7 +379,12 @@ class Registry:
         against the manifest.
         """
         if Path(ref).is_dir():
-            return verify_fetched(Path(ref), manifest_sha256)
+            problems = verify_fetched(Path(ref), manifest_sha256)
+            return (
+                problems
+                if manifest_sha256 or problems[:1] == [_no_manifest(Path(ref))]
+                else [*self._unanchored(Path(ref)), *problems]
+            )
         entry = self._entry(ref, version)
         problems = []
         for directory in dict.fromkeys([Path(entry["path"]), Path(entry["version_path"])]):
@@ -562,11 +593,15 @@ def _create_schema(conn: sqlite3.Connection, path: Path) -> None:
     conn.execute("COMMIT")
 
 
+def _no_manifest(directory: Path) -> str:
+    return f"{MANIFEST_NAME}: missing in {directory}"
+
+
 def verify_fetched(directory: Path, manifest_sha256: str | None = None) -> list[str]:
     """Problems with a fetched artifact directory (its manifest, then every file in it)."""
     manifest_path = directory / MANIFEST_NAME
     if not manifest_path.is_file():
-        return [f"{MANIFEST_NAME}: missing in {directory}"]
+        return [_no_manifest(directory)]
     problems = []
     if manifest_sha256 and file_sha256(manifest_path) != manifest_sha256:
         problems.append(f"{MANIFEST_NAME}: sha256 differs from the registry's {manifest_sha256[:16]}…")

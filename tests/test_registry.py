@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from pipeline.artifacts import file_entries
 from pipeline.cli import app
+from pipeline.constants import MANIFEST_NAME
 from pipeline.errors import RegistryError
 from pipeline.hashing import file_sha256
 from pipeline.manifest import FileEntry, read_manifest, write_manifest
@@ -66,9 +67,38 @@ def test_verify_refuses_paths_and_links_that_leave_the_directory(registry: Regis
     linked = escaping.model_copy(update={"path": "link.bin"})
     write_manifest(fetched, manifest.model_copy(update={"files": [*manifest.files, escaping, linked]}))
     assert registry.verify(str(fetched)) == [
+        f"{MANIFEST_NAME}: matches no registered version of m/gguf-q8_0 (edited or from another "
+        "registry); pass --manifest-sha256 (resolve prints it)",
         "../outside.bin: not a path inside the artifact directory",
         "link.bin: a symbolic link (an artifact holds plain files only)",
     ]
+
+
+def test_verify_of_a_fetched_dir_anchors_its_manifest(registry: Registry, tmp_path: Path) -> None:
+    """A manifest edited consistently with edited bytes (file and hash both replaced) passes every
+    self-check: without --manifest-sha256, verify asks this registry whether it recorded that
+    manifest; a registry that knows nothing of it says what to pass, and creates no index."""
+    fetched = tmp_path / "fetched"
+    shutil.copytree(registry.root / "m" / "gguf-q8_0", fetched)
+    manifest = read_manifest(fetched)
+    [entry] = manifest.files
+    swapped = fetched / entry.path
+    swapped.chmod(0o644)
+    swapped.write_bytes(b"other weights")
+    edited = entry.model_copy(update={"sha256": file_sha256(swapped), "bytes": swapped.stat().st_size})
+    write_manifest(fetched, manifest.model_copy(update={"files": [edited]}))
+    [problem] = registry.verify(str(fetched))
+    assert problem.startswith(f"{MANIFEST_NAME}: matches no registered version of m/gguf-q8_0")
+    with_sha = registry.verify(
+        str(fetched), manifest_sha256=registry.resolve("m", "llama.cpp", "Q8_0")["manifest_sha256"]
+    )
+    assert with_sha and with_sha[0].startswith(f"{MANIFEST_NAME}: sha256 differs from the registry's")
+    elsewhere = Registry(tmp_path / "deploy-host")
+    assert elsewhere.verify(str(fetched)) == [
+        f"{MANIFEST_NAME}: nothing to check it against: this registry holds no m/gguf-q8_0; "
+        "pass --manifest-sha256 (resolve prints it)"
+    ]
+    assert not (tmp_path / "deploy-host").exists()
 
 
 def test_verify_catches_a_flipped_byte(registry: Registry) -> None:

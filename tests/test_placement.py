@@ -90,3 +90,28 @@ def test_a_served_answer_may_leave_the_offline_one_only_at_a_near_tie() -> None:
     assert unseen == {"position": 0, "served": 6, "expected": 5, "gap_nats": None, "near_tie": False}
     stopped = first_divergence([5], [5, 9], top)  # the server stopped early
     assert stopped["served"] is None and not stopped["near_tie"]
+
+
+def test_a_cached_bfloat16_reference_is_recomputed_once_float32_fits(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    """A reference made in bfloat16 (on a busy host) is not reused where float32 fits now; a
+    float32 one is reused without asking where a new one would run."""
+    import json
+
+    from pipeline.project import Project
+    from tests.conftest import write_recipe
+
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml")
+    ref, out = Project.open(recipe).context().reference()
+    assert ref["placement"]["dtype"] == "float32"
+    degraded = {**ref, "placement": {**ref["placement"], "dtype": "bfloat16"}}
+    (out / "reference.json").write_text(json.dumps(degraded))  # what the busy host left
+
+    ctx = Project.open(recipe).context()
+    again, _ = ctx.reference()
+    assert again["placement"]["dtype"] == "float32"
+    assert [s.op for s in ctx.steps if s.op != "toolchain"] == ["placement", "reference"]
+    ctx = Project.open(recipe).context()
+    assert ctx.reference()[0]["placement"]["dtype"] == "float32"
+    assert [s.op for s in ctx.steps if s.op != "toolchain"] == []  # reused as it is

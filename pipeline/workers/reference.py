@@ -295,6 +295,11 @@ def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
     return {"toolchain": _versions()}
 
 
+def op_placement(req: dict[str, Any]) -> dict[str, Any]:
+    """Where and in what precision a reference of `model_dir` would run now (no model loaded)."""
+    return {"placement": placement_for(req["model_dir"])}
+
+
 if __name__ == "__main__":
     worker_main(
         {
@@ -302,5 +307,6 @@ if __name__ == "__main__":
             "imatrix": op_imatrix,
             "materialise_gguf": op_materialise_gguf,
             "toolchain": op_toolchain,
+            "placement": op_placement,
         }
     )

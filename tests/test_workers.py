@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -254,10 +255,14 @@ def test_the_sampler_counts_other_processes_cpu_and_not_the_groups() -> None:
     step = subprocess.Popen(["sleep", "30"], start_new_session=True)  # a quiet sampled group
     try:
         shares = []
-        for spinning in (None, "outside", "inside"):
-            spinner = subprocess.Popen(spin, start_new_session=True) if spinning else None
+        # "descendant": the sampled group's shell starts the spinner in a session of its own, as
+        # the serving benchmark's worker starts its server
+        descendant = ["sh", "-c", f"setsid {shlex.join(spin)} & wait"]
+        for spinning in (None, "outside", "inside", "descendant"):
+            command = descendant if spinning == "descendant" else spin
+            spinner = subprocess.Popen(command, start_new_session=True) if spinning else None
             time.sleep(0.3)  # its interpreter has started
-            sampled = spinner.pid if spinner and spinning == "inside" else step.pid
+            sampled = spinner.pid if spinner and spinning in ("inside", "descendant") else step.pid
             with UsageSampler(sampled, interval_s=0.2) as sampler:
                 time.sleep(1.6)
             if spinner:
@@ -267,11 +272,12 @@ def test_the_sampler_counts_other_processes_cpu_and_not_the_groups() -> None:
         step.kill()
         step.wait()
     assert all(share is not None for share in shares), shares
-    baseline, outside, inside = shares
+    baseline, outside, inside, descendant_share = shares
     if baseline > 0.5:  # on a saturated host one more process is not seen: nothing to measure
         pytest.skip(f"the host is busy ({baseline:.0%} of its CPUs used by others)")
     assert outside - baseline >= 0.6 / cpus, (baseline, outside, cpus)
     assert inside - baseline <= 0.3 / cpus, (baseline, inside, cpus)
+    assert descendant_share - baseline <= 0.3 / cpus, (baseline, descendant_share, cpus)
 
 
 def test_group_rss_counts_every_process_of_the_group() -> None:

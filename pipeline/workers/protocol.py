@@ -133,20 +133,37 @@ class UsageSampler:
 
     def _scan(self) -> int:
         """The group's RSS; adds the CPU time other processes used since the last scan (a process
-        first seen now counts whole, except at the first scan)."""
-        rss, seen, first = 0, {}, not self.samples
+        first seen now counts whole, except at the first scan). The group's descendants in other
+        groups (a server started in its own session) are the group's work, not others'."""
+        rss, procs, first = 0, {}, not self.samples
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
-                pgrp = int(fields[2])  # after "pid (comm)": state, ppid, pgrp; utime, stime: 11, 12
+                # after "pid (comm)": state, ppid, pgrp, ...; utime, stime at 11, 12
+                ppid, pgrp, ticks = int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12])
                 if pgrp == self.pgid:
                     for line in (stat.parent / "status").read_text().splitlines():
                         if line.startswith("VmRSS:"):
                             rss += int(line.split()[1]) * 1024
-                elif pgrp != self._mine:
-                    seen[int(stat.parent.name)] = int(fields[11]) + int(fields[12])
+                procs[int(stat.parent.name)] = (ppid, pgrp, ticks)
             except (OSError, IndexError, ValueError):
                 continue  # the process ended while we looked
+        ours: dict[int, bool] = {}
+
+        def is_ours(pid: int) -> bool:
+            chain = []
+            while pid in procs and pid not in ours:
+                chain.append(pid)
+                ppid, pgrp, _ = procs[pid]
+                if pgrp in (self.pgid, self._mine):
+                    break
+                pid = ppid
+            verdict = ours.get(pid, pid in procs and procs[pid][1] in (self.pgid, self._mine))
+            for p in chain:
+                ours[p] = verdict
+            return verdict
+
+        seen = {pid: ticks for pid, (_, _, ticks) in procs.items() if not is_ours(pid)}
         if not first:
             ticks = sum(max(0, t - self._others.get(pid, 0)) for pid, t in seen.items())
             self._others_s += ticks / os.sysconf("SC_CLK_TCK")

@@ -259,7 +259,7 @@ class Project:
             build_s = time.perf_counter() - t0
             files = file_entries(staging)
             validation = spec.validate(ctx, name, staging)
-            serving = benchmark(ctx, name, staging, validation, inputs.serve_command)
+            serving = benchmark(ctx, name, staging, validation, spec.serve_argv)
             manifest = Manifest(
                 schema=MANIFEST_SCHEMA,
                 recipe=self.loaded.recipe.name,

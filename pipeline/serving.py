@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pipeline.constants import ENGINES, ENV_GUIDELLM, STATUS_PASSED
 from pipeline.context import BuildContext
+from pipeline.engines.serving import ServeArgv, free_port, local_argv
 from pipeline.environments import environment_exists, interpreter
 from pipeline.errors import DiskFullError, EngineError
 from pipeline.manifest import ServingLevel, ServingResult, Validation
@@ -24,11 +25,12 @@ def benchmark(
     name: str,
     artifact: Path,
     validation: Validation,
-    serve_command: str,
+    serve_argv: ServeArgv,
     port: int | None = None,
 ) -> dict[str, ServingResult]:
-    """The primary engine's serving benchmark of `artifact` (served by `serve_command` on `port`,
-    default a free loopback one), or {} where the recipe turns it off or the artifact did not pass."""
+    """The primary engine's serving benchmark of `artifact` (served by its deploy command,
+    `serve_argv` of the recipe's serve section, on loopback `port`, default a free one), or {}
+    where the recipe turns it off or the artifact did not pass."""
     spec = ctx.loaded.recipe.serving_benchmark
     engine = validation.engine
     if not spec.enabled or validation.status != STATUS_PASSED:
@@ -47,12 +49,13 @@ def benchmark(
     workload = spec.model_dump(exclude={"enabled"})
     ctx.reporter.step(name, f"serving benchmark: {engine} at concurrency {spec.concurrency}")
     per_level = spec.max_seconds_per_level + 60  # + a load generator's start
+    port = port or free_port()
     try:
         got = ctx.step(
             ENV_GUIDELLM,
             {
                 "op": "benchmark",
-                "command": serve_command,
+                "argv": local_argv(serve_argv, ctx.loaded.recipe.serve, port),
                 "python": interpreter(engine_env),
                 "server_env": ENGINES[engine].server_env,
                 "model_dir": str(artifact),

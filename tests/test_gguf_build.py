@@ -415,7 +415,7 @@ def test_a_failing_benchmark_is_recorded_and_never_touches_the_artifact(
 
     project = Project.open(recipe)
     ctx, manifest = project.context(), read_manifest(artifact)
-    command = manifest.serve.command
+    command = project.select(["gguf-f16"])["gguf-f16"].serve_argv  # the deploy command's builder
     with socket.socket() as taken:  # another process holds the port the server is given
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.constants import ENV_SGLANG, ENV_VLLM, MANIFEST_NAME
 from pipeline.engines import sglang, vllm
+from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv
 from pipeline.environments import environment
 from pipeline.errors import RegistryError, ValidationFailed
 from pipeline.project import Project, inputs_sha256
@@ -148,12 +149,14 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
     )
     ctx = Project.open(recipe).context()
     gates = Gates(max_ppl_delta_pct=5.0, max_kld_topk_mean=0.05)
-    # compiled, as a deploy command usually is: the check serves it eager, like the offline engine
-    serve = (
-        "python -m vllm.entrypoints.openai.api_server --model {model} --dtype bfloat16 "
-        "--host 127.0.0.1 --port 8000 --max-model-len 1024"
-    )
-    good = vllm.validate(ctx, "tiny", tiny_llama, "bfloat16", gates, serve.format(model="${ARTIFACT_DIR}"))
+
+    def serve(model: str, *extra: str) -> ServeArgv:
+        """A deploy command's builder; compiled, as a deploy command usually is: the check serves
+        it eager, like the offline engine."""
+        head = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", "bfloat16"]
+        return lambda s: [*head, "--host", s.host, "--port", str(s.port), "--max-model-len", "1024", *extra]
+
+    good = vllm.validate(ctx, "tiny", tiny_llama, "bfloat16", gates, serve(ARTIFACT_DIR))
     assert good.status == "passed", good.reason
     assert (
         good.metrics is not None and good.metrics.kld_topk_mean is not None and good.metrics.kld_mean is None
@@ -169,8 +172,7 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
     )
 
     other = _damaged_copy(tiny_llama, tmp_path / "damaged")
-    eager = serve.format(model=other) + " --enforce-eager"
-    bad = vllm.validate(ctx, "tiny", tiny_llama, "bfloat16", gates, eager)
+    bad = vllm.validate(ctx, "tiny", tiny_llama, "bfloat16", gates, serve(str(other), "--enforce-eager"))
     assert bad.status == "failed" and not bad.details["serve_check"]["ok"]
     assert bad.details["serve_check"]["modes"].endswith("(the deploy command as it is)")
     assert bad.details["serve_check"]["compared"] == "token_ids"
@@ -182,7 +184,9 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
 
     # a server that exits before it is ready (on the H200, SGLang's missing `soundfile`): the
     # verdict fails on the serve check and keeps the offline scores it measured
-    broken = vllm.validate(ctx, "tiny", tiny_llama, "bfloat16", gates, eager + " --no-such-flag")
+    broken = vllm.validate(
+        ctx, "tiny", tiny_llama, "bfloat16", gates, serve(str(other), "--enforce-eager", "--no-such-flag")
+    )
     assert broken.status == "failed" and broken.reason is not None
     assert broken.reason.startswith("the serve check's server did not answer: "), broken.reason
     assert "exited with code" in broken.reason and "--no-such-flag" in broken.reason

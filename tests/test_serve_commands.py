@@ -1,6 +1,7 @@
 """Serve commands as the manifest records them: run by a deploy job's shell, every value arrives
 as one argument and nothing in a value runs (pipeline.engines.serving.command_line), and the serve
-check's worker reads them back the same way (pipeline.workers.serving.serve_argv)."""
+check and the serving benchmark run the same argument list, built for a loopback port (never a
+recorded command parsed back)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.engines.serving import ARTIFACT_DIR, command_line
-from pipeline.workers.serving import serve_argv
+import pipeline.targets  # noqa: F401  (registers the kinds in KINDS)
+from pipeline.engines.serving import ARTIFACT_DIR, command_line, local_argv
+from pipeline.spec import KINDS, ServeSpec
+from pipeline.workers.serving import run_argv
 
 
 def test_a_recorded_serve_command_runs_exactly_its_argv_through_sh(tmp_path: Path) -> None:
@@ -28,18 +31,31 @@ def test_a_recorded_serve_command_runs_exactly_its_argv_through_sh(tmp_path: Pat
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout) == [*values[:-2], str(artifact), f"{artifact}/model dir/m.gguf"]
     assert not (tmp_path / "pwned").exists()
-    # the serve check's worker substitutes after splitting: a path with spaces stays one argument
-    served = command_line(
-        ["python", "-m", "m", "--model", f"{ARTIFACT_DIR}/m.gguf", "--host", "h", "--port", "1"]
-    )
-    assert serve_argv(served, "/a b", 5, python="py") == [
-        "py",
-        "-m",
-        "m",
-        "--model",
-        "/a b/m.gguf",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "5",
-    ]
+    # the serve check's worker substitutes inside arguments: a path with spaces stays one argument
+    argv = ["python", "-m", "m", "--model", f"{ARTIFACT_DIR}/m.gguf", "--port", "1"]
+    assert run_argv(argv, "/a b", python="py") == ["py", "-m", "m", "--model", "/a b/m.gguf", "--port", "1"]
+    assert run_argv(["trtllm-serve", ARTIFACT_DIR], "/x") == ["trtllm-serve", "/x"]
+
+
+FULL_KL, TOP_K_KL = (
+    {"max_ppl_delta_pct": 1.0, "max_kld_mean": 0.1},
+    {"max_ppl_delta_pct": 1.0, "max_kld_topk_mean": 0.1},
+)
+
+
+def test_every_kind_builds_its_local_command_instead_of_patching_the_recorded_one() -> None:
+    """The serve check and the benchmark run the deploy command with the recipe's knobs on a
+    loopback port: the same builder, another host and port, everything else as recorded."""
+    serve = ServeSpec(host="0.0.0.0", port=8000)
+    specs = {
+        "gguf": {"quant": "Q8_0", "gates": FULL_KL}, "awq": {"gates": TOP_K_KL}, "gptq": {"gates": TOP_K_KL},
+        "modelopt": {"quant": "fp8", "gates": TOP_K_KL},
+        "trtllm": {"quant": "fp16", "gpu_arch": "sm90", "gates": FULL_KL},
+    }  # fmt: skip
+    for kind, fields in specs.items():
+        target = KINDS[kind].model_validate({"kind": kind, **fields})
+        deployed, local = target.serve_argv(serve), local_argv(target.serve_argv, serve, 5555)
+        assert target.serve_command(serve) == command_line(deployed)
+        assert len(local) == len(deployed), kind
+        changed = [(d, x) for d, x in zip(deployed, local, strict=True) if d != x]
+        assert changed == [("0.0.0.0", "127.0.0.1"), ("8000", "5555")], (kind, changed)

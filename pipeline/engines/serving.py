@@ -12,15 +12,34 @@ comparison was made; the deploy command in the manifest stays as the recipe wrot
 from __future__ import annotations
 
 import shlex
+import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pipeline.context import BuildContext
 from pipeline.errors import EngineError
 from pipeline.manifest import EngineVerdict
+from pipeline.spec import ServeSpec
 
 SERVE_TIMEOUT_S = 900
 ARTIFACT_DIR = "${ARTIFACT_DIR}"  # where a deploy job puts the artifact, substituted or expanded
+LOOPBACK = "127.0.0.1"
+# A target's deploy command builder (Target.serve_argv): the recipe's serve section -> argv.
+ServeArgv = Callable[[ServeSpec], list[str]]
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (the server started next takes it)."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def local_argv(serve_argv: ServeArgv, serve: ServeSpec, port: int) -> list[str]:
+    """The deploy command as the build runs it here: the recipe's knobs on a loopback `port`
+    (built so, not patched into a recorded command)."""
+    return serve_argv(serve.model_copy(update={"host": LOOPBACK, "port": port}))
 
 
 def command_line(argv: list[str]) -> str:
@@ -42,18 +61,22 @@ def serve_check(
     env: str,
     name: str,
     artifact: Path,
-    command: str,
+    serve_argv: ServeArgv,
     scores: dict[str, Any],
     result: EngineVerdict,
     eager_flag: str,
 ) -> None:
-    """Run `command` for `artifact` in env's worker and record it in `result.details["serve_check"]`;
-    `scores` is the same engine's offline result (its greedy answer and top logprobs), obtained
-    eagerly; `eager_flag` is the server's flag that makes it eager too."""
+    """Run the deploy command (`serve_argv` of the recipe's serve section, on a free loopback port)
+    for `artifact` in env's worker and record it in `result.details["serve_check"]`; `scores` is
+    the same engine's offline result (its greedy answer and top logprobs), obtained eagerly;
+    `eager_flag` is the server's flag that makes it eager too."""
     ref, _ = ctx.reference()
     expected = scores["generations"][0]
-    as_deployed = eager_flag in command.split()
-    checked = command if as_deployed else f"{command} {eager_flag}"
+    serve, port = ctx.loaded.recipe.serve, free_port()
+    deployed = serve_argv(serve)
+    as_deployed = eager_flag in deployed
+    eager = [] if as_deployed else [eager_flag]
+    checked = command_line(deployed + eager)  # what the record says was served
     modes = "eager offline vs eager server (" + (
         "the deploy command as it is)" if as_deployed else f"the deploy command + {eager_flag})"
     )
@@ -63,7 +86,8 @@ def serve_check(
             {
                 "op": "serve_check",
                 "model_dir": str(artifact),
-                "command": checked,
+                "argv": local_argv(serve_argv, serve, port) + eager,
+                "port": port,
                 "prompt_ids": ref["generations"][0]["prompt_ids"],
                 "max_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
                 "expected_text": expected["text"],

@@ -4,6 +4,7 @@ build servers); `skipped` with the reason elsewhere."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from pipeline.constants import ENGINE_SGLANG, ENV_SGLANG
@@ -19,7 +20,7 @@ VALIDATE_TIMEOUT_S = 1800
 EAGER_FLAG = "--disable-cuda-graph"  # the offline engine's mode (disable_cuda_graph), for the serve check
 
 
-def serve_command(serve: ServeSpec, quantization: str | None, dtype: str) -> str:
+def serve_argv(serve: ServeSpec, quantization: str | None, dtype: str) -> list[str]:
     """The deploy command for a checkpoint in SGLang's server, with the recipe's knobs
     (quantization None: SGLang reads the method from the checkpoint's config)."""
     knobs = serve.sglang
@@ -31,7 +32,12 @@ def serve_command(serve: ServeSpec, quantization: str | None, dtype: str) -> str
     argv += ["--mem-fraction-static", str(knobs.mem_fraction_static)]
     argv += ["--attention-backend", knobs.attention_backend] if knobs.attention_backend else []
     argv += [EAGER_FLAG] if knobs.disable_cuda_graph else []
-    return command_line(argv)
+    return argv
+
+
+def serve_command(serve: ServeSpec, quantization: str | None, dtype: str) -> str:
+    """serve_argv as the manifest records it."""
+    return command_line(serve_argv(serve, quantization, dtype))
 
 
 def validate(
@@ -72,7 +78,8 @@ def validate(
             settings=got["settings"], device=got["device"], **details,
         )  # fmt: skip
         ctx.reporter.step(name, "serving once through sglang.launch_server")
-        serve_check(ctx, ENV_SGLANG, name, artifact, command, got, result, EAGER_FLAG)
+        argv = partial(serve_argv, quantization=quantization, dtype=dtype)
+        serve_check(ctx, ENV_SGLANG, name, artifact, argv, got, result, EAGER_FLAG)
     except EngineError as exc:  # SGLang's crash is SGLang's verdict; the vLLM one still stands
         return not_run("failed", str(exc), **details)
     return result

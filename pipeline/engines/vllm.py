@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline.constants import ENGINE_VLLM, ENV_VLLM
 from pipeline.context import BuildContext
-from pipeline.engines.serving import ARTIFACT_DIR, command_line, serve_check
+from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv, command_line, serve_check
 from pipeline.manifest import EngineVerdict
 from pipeline.spec import Gates, ServeSpec
 from pipeline.validation import not_run, verdict
@@ -20,7 +20,7 @@ VALIDATE_TIMEOUT_S = 1800
 EAGER_FLAG = "--enforce-eager"  # the offline engine's mode (enforce_eager), for the serve check
 
 
-def serve_command(serve: ServeSpec, quantization: str | None, dtype: str) -> str:
+def serve_argv(serve: ServeSpec, quantization: str | None, dtype: str) -> list[str]:
     """The deploy command for a checkpoint in vLLM's OpenAI server, with the recipe's knobs
     (`quantization` None: vLLM picks the kernel from the checkpoint's quantization_config)."""
     knobs = serve.vllm
@@ -32,7 +32,12 @@ def serve_command(serve: ServeSpec, quantization: str | None, dtype: str) -> str
     if knobs.max_num_batched_tokens:
         argv += ["--max-num-batched-tokens", str(knobs.max_num_batched_tokens)]
     argv += [EAGER_FLAG] if knobs.enforce_eager else []
-    return command_line(argv)
+    return argv
+
+
+def serve_command(serve: ServeSpec, quantization: str | None, dtype: str) -> str:
+    """serve_argv as the manifest records it."""
+    return command_line(serve_argv(serve, quantization, dtype))
 
 
 def _score(ctx: BuildContext, log: str, model_dir: Path, dtype: str) -> dict[str, Any]:
@@ -84,11 +89,12 @@ def validate(
     artifact: Path,
     dtype: str,
     gates: Gates,
-    serve_command: str | None,
+    serve_argv: ServeArgv | None,
     int4: bool = False,
 ) -> EngineVerdict:
-    """vLLM's verdict on a checkpoint (`int4`: W4A16 weights); with `serve_command`, the served
-    answer must equal the offline greedy answer to the first smoke prompt."""
+    """vLLM's verdict on a checkpoint (`int4`: W4A16 weights); with `serve_argv` (the deploy
+    command's builder), the served answer must equal the offline greedy answer to the first smoke
+    prompt."""
     unsupported = int4_unsupported(ctx) if int4 else None
     if unsupported:
         return not_run("skipped", unsupported)
@@ -114,7 +120,7 @@ def validate(
         settings=got["settings"],
         engine_reference={"ppl": source["ppl"], "kld_topk_mean": source["kld_topk_mean"], "dtype": dtype},
     )
-    if serve_command is not None:
+    if serve_argv is not None:
         ctx.reporter.step(name, "serving once through vLLM's OpenAI server")
-        serve_check(ctx, ENV_VLLM, name, artifact, serve_command, got, result, EAGER_FLAG)
+        serve_check(ctx, ENV_VLLM, name, artifact, serve_argv, got, result, EAGER_FLAG)
     return result

@@ -14,6 +14,7 @@ from pydantic import model_validator
 from pipeline.artifacts import Layout
 from pipeline.constants import ENGINES, GPU_ARCHS, KLD_GATES
 from pipeline.context import BuildContext
+from pipeline.engines.serving import command_line
 from pipeline.manifest import Validation
 from pipeline.spec import KINDS, ServeSpec, TargetSpec
 
@@ -94,9 +95,15 @@ class Target(TargetSpec, ABC):
         """Score the artifact in each of its serving engines against the reference."""
 
     @abstractmethod
+    def serve_argv(self, serve: ServeSpec) -> list[str]:
+        """The command a deploy job runs, as an argument list, with the recipe's serving knobs;
+        ${ARTIFACT_DIR} stands for the artifact's directory and `python` for the serving
+        environment's interpreter. The serve check and the serving benchmark run it with another
+        `serve` (a loopback host, a free port): nothing patches a command afterwards."""
+
     def serve_command(self, serve: ServeSpec) -> str:
-        """The command a deploy job runs, with the recipe's serving knobs; ${ARTIFACT_DIR} stands
-        for the artifact's directory and `python` for the serving environment's interpreter."""
+        """The manifest's `serve.command`: serve_argv, every value shell-quoted (command_line)."""
+        return command_line(self.serve_argv(serve))
 
 
 def gpu_arch_number(arch: str) -> int:

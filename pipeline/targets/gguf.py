@@ -18,7 +18,7 @@ from pipeline.constants import (
     GGUF_QUANTS,
 )
 from pipeline.context import BuildContext
-from pipeline.engines.serving import ARTIFACT_DIR, command_line
+from pipeline.engines.serving import ARTIFACT_DIR
 from pipeline.hashing import file_sha256
 from pipeline.manifest import Validation
 from pipeline.spec import ServeSpec
@@ -256,14 +256,14 @@ class GgufTarget(Target):
             **scores,
         }
 
-    def serve_command(self, serve: ServeSpec) -> str:
+    def serve_argv(self, serve: ServeSpec) -> list[str]:
         knobs = serve.llamacpp
         argv = ["python", "-m", "llama_cpp.server", "--model", f"{ARTIFACT_DIR}/{GGUF_FILE}"]
         argv += ["--host", serve.host, "--port", str(serve.port), "--n_ctx", str(knobs.n_ctx)]
         argv += ["--n_gpu_layers", str(knobs.n_gpu_layers)]
         argv += ["--n_threads", str(knobs.n_threads)] if knobs.n_threads else []
         argv += ["--interrupt_requests", str(knobs.interrupt_requests)]
-        return command_line(argv)
+        return argv
 
 
 def _convert_request(ctx: BuildContext, dest: Path, outtype: str) -> dict[str, Any]:

@@ -159,17 +159,18 @@ class Int4Target(Target):
 
     def validate(self, ctx: BuildContext, name: str, artifact: Path) -> Validation:
         ref, _ = ctx.reference()
-        serve = self.serve_command(ctx.loaded.recipe.serve)
         verdicts = {
-            ENGINE_VLLM: vllm.validate(ctx, name, artifact, self.dtype, self.gates, serve, int4=True),
+            ENGINE_VLLM: vllm.validate(
+                ctx, name, artifact, self.dtype, self.gates, self.serve_argv, int4=True
+            ),
             ENGINE_SGLANG: sglang.validate(
                 ctx, name, artifact, self.sglang_quantization, self.dtype, self.gates
             ),
         }
         return Validation.of(ENGINE_VLLM, verdicts, reference_record(ref))
 
-    def serve_command(self, serve: ServeSpec) -> str:
-        return vllm.serve_command(serve, self.quantization, self.dtype)
+    def serve_argv(self, serve: ServeSpec) -> list[str]:
+        return vllm.serve_argv(serve, self.quantization, self.dtype)
 
 
 @register

@@ -18,7 +18,7 @@ from pydantic import field_validator, model_validator
 from pipeline.constants import ENGINE_TRTLLM, ENGINE_VLLM, ENV_MODELOPT, ENV_VLLM
 from pipeline.context import BuildContext
 from pipeline.engines import vllm
-from pipeline.engines.serving import ARTIFACT_DIR, command_line
+from pipeline.engines.serving import ARTIFACT_DIR
 from pipeline.errors import BuildError
 from pipeline.manifest import Validation
 from pipeline.spec import CalibrationOverride, ServeSpec
@@ -146,14 +146,13 @@ class ModeloptTarget(Target):
             )
             return Validation.of(engine, {engine: not_run("skipped", reason)}, None)
         ref, _ = ctx.reference()
-        serve = self.serve_command(ctx.loaded.recipe.serve)
-        result = vllm.validate(ctx, name, artifact, self.dtype, self.gates, serve_command=serve)
+        result = vllm.validate(ctx, name, artifact, self.dtype, self.gates, serve_argv=self.serve_argv)
         return Validation.of(engine, {engine: result}, reference_record(ref))
 
-    def serve_command(self, serve: ServeSpec) -> str:
+    def serve_argv(self, serve: ServeSpec) -> list[str]:
         if self.quant in VLLM_LOADS:
-            return vllm.serve_command(serve, "modelopt", self.dtype)
+            return vllm.serve_argv(serve, "modelopt", self.dtype)
         argv = ["trtllm-serve", ARTIFACT_DIR, "--backend", "pytorch", "--host", serve.host]
         argv += ["--port", str(serve.port), "--max_seq_len", str(serve.vllm.max_model_len)]
         argv += ["--kv_cache_free_gpu_memory_fraction", str(serve.trtllm.kv_cache_free_gpu_memory_fraction)]
-        return command_line(argv)
+        return argv

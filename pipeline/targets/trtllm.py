@@ -24,7 +24,7 @@ from pydantic import Field, field_validator, model_validator
 from pipeline.artifacts import Layout
 from pipeline.constants import ENGINE_TRTLLM, ENV_MODELOPT, ENV_TRTLLM
 from pipeline.context import BuildContext
-from pipeline.engines.serving import ARTIFACT_DIR, command_line
+from pipeline.engines.serving import ARTIFACT_DIR
 from pipeline.environments import environment
 from pipeline.errors import BuildError, EngineError
 from pipeline.hashing import file_sha256
@@ -430,9 +430,9 @@ class TrtllmTarget(Target):
         result = verdict(ctx, ENGINE_TRTLLM, got, ref, self.gates, {"load_s": got["load_s"]})
         return Validation.of(ENGINE_TRTLLM, {ENGINE_TRTLLM: result}, reference_record(ref))
 
-    def serve_command(self, serve: ServeSpec) -> str:
+    def serve_argv(self, serve: ServeSpec) -> list[str]:
         argv = ["trtllm-serve", ARTIFACT_DIR, "--backend", "tensorrt"]
         argv += ["--tokenizer", f"{ARTIFACT_DIR}/{TOKENIZER_DIR}"]
         argv += ["--host", serve.host, "--port", str(serve.port)]
         argv += ["--kv_cache_free_gpu_memory_fraction", str(serve.trtllm.kv_cache_free_gpu_memory_fraction)]
-        return command_line(argv)
+        return argv

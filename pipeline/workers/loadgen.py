@@ -24,7 +24,7 @@ from pipeline.workers.protocol import (
     last_error_line,
     worker_main,
 )
-from pipeline.workers.serving import free_port, post_json, serve_argv
+from pipeline.workers.serving import post_json, run_argv
 
 MIB = 1024**2
 
@@ -75,9 +75,9 @@ def _stop(server: subprocess.Popen[bytes]) -> None:
 
 def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
     workload = req["workload"]
-    port = req.get("port") or free_port()  # a fixed port only where a test asks for one
+    port = req["port"]  # the one the core built the argument list for
     base = f"http://127.0.0.1:{port}"
-    argv = serve_argv(req["command"], req["model_dir"], port, python=req["python"])
+    argv = run_argv(req["argv"], req["model_dir"], python=req["python"])
     log = Path(req["server_log"])
     t0 = time.perf_counter()
     env = {**os.environ, **{k: os.environ.get(k, v) for k, v in req.get("server_env", {}).items()}}

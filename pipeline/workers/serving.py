@@ -1,13 +1,13 @@
-"""The serve check, inside an engine's environment (stdlib only): start the manifest's serve
-command on a free loopback port, wait until it is ready, send the first smoke prompt's token ids
-(greedy), compare the answer with the offline greedy answer, shut the server down. Each engine's
-worker supplies how to ask its server (vLLM: OpenAI completions; SGLang: its native /generate)."""
+"""The serve check, inside an engine's environment (stdlib only): start the deploy command (an
+argument list the core built for a free loopback port), wait until it is ready, send the first
+smoke prompt's token ids (greedy), compare the answer with the offline greedy answer, shut the
+server down. Each engine's worker supplies how to ask its server (vLLM: OpenAI completions;
+SGLang: its native /generate)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 import socket
 import subprocess
 import sys
@@ -33,22 +33,12 @@ TIE_TOP = 5  # top logprobs kept per generated token of the first smoke prompt
 Ask = Callable[[str, dict[str, Any]], dict[str, Any]]
 
 
-def serve_argv(command: str, artifact_dir: str, port: int, python: str = sys.executable) -> list[str]:
-    """The manifest's serve command, run for real: `python` (default: this environment's), this
-    artifact, and a free loopback port in place of the recipe's."""
-    # split first: an artifact path with spaces stays one argument
-    argv = [a.replace("${ARTIFACT_DIR}", artifact_dir) for a in shlex.split(command)]
-    if argv[0] == "python":
-        argv[0] = python
-    argv[argv.index("--port") + 1] = str(port)
-    argv[argv.index("--host") + 1] = "127.0.0.1"
-    return argv
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def run_argv(argv: list[str], artifact_dir: str, python: str = sys.executable) -> list[str]:
+    """A deploy command's argument list as a deploy job runs it: this artifact's directory for
+    ${ARTIFACT_DIR} (inside an argument: a path with spaces stays one), and the interpreter
+    (default: this environment's) for the program `python`."""
+    out = [a.replace("${ARTIFACT_DIR}", artifact_dir) for a in argv]
+    return [python, *out[1:]] if out[:1] == ["python"] else out
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
@@ -58,13 +48,13 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> dict[str,
 
 
 def serve_check(req: dict[str, Any], engine: str, ask: Ask) -> dict[str, Any]:
-    """Run the serve check of `req` (command, model_dir, prompt_ids, max_tokens, expected_ids,
-    expected_text, expected_top, ready_timeout_s, server_log, port) against `engine`'s server."""
-    port = req.get("port") or free_port()
+    """Run the serve check of `req` (argv, port, model_dir, prompt_ids, max_tokens, expected_ids,
+    expected_text, expected_top, ready_timeout_s, server_log) against `engine`'s server."""
+    port = req["port"]
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", port)) == 0:
             raise RuntimeError(f"port {port} on 127.0.0.1 is already in use")
-    cmd = serve_argv(req["command"], req["model_dir"], port)
+    cmd = run_argv(req["argv"], req["model_dir"])
     t0 = time.perf_counter()
     # the server's own log, beside the step's (it outlives a step killed at its time limit)
     if req.get("server_log"):

@@ -148,22 +148,19 @@ class UsageSampler:
                 procs[int(stat.parent.name)] = (ppid, pgrp, ticks)
             except (OSError, IndexError, ValueError):
                 continue  # the process ended while we looked
-        ours: dict[int, bool] = {}
+        ours: dict[int, bool] = {}  # in the sampled group, or started by one of its processes
 
         def is_ours(pid: int) -> bool:
             chain = []
-            while pid in procs and pid not in ours:
+            while pid in procs and pid not in ours and procs[pid][1] != self.pgid:
                 chain.append(pid)
-                ppid, pgrp, _ = procs[pid]
-                if pgrp in (self.pgid, self._mine):
-                    break
-                pid = ppid
-            verdict = ours.get(pid, pid in procs and procs[pid][1] in (self.pgid, self._mine))
+                pid = procs[pid][0]
+            verdict = ours.get(pid, pid in procs)  # stopped at a group member, or at the top
             for p in chain:
                 ours[p] = verdict
             return verdict
 
-        seen = {pid: ticks for pid, (_, _, ticks) in procs.items() if not is_ours(pid)}
+        seen = {pid: t for pid, (_, pgrp, t) in procs.items() if pgrp != self._mine and not is_ours(pid)}
         if not first:
             ticks = sum(max(0, t - self._others.get(pid, 0)) for pid, t in seen.items())
             self._others_s += ticks / os.sysconf("SC_CLK_TCK")

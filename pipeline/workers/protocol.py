@@ -126,26 +126,25 @@ class UsageSampler:
     def _loop(self) -> None:
         while True:
             gpu = gpu_memory_used_mib(self._nvidia_smi) if self._nvidia_smi else None
-            rss = self._scan()
-            self.samples.append((time.time(), rss, gpu, self._others_s))
+            self._count_others()
+            self.samples.append((time.time(), group_rss_bytes(self.pgid), gpu, self._others_s))
             if self._stop.wait(self.interval_s):
                 return
 
-    def _scan(self) -> int:
-        """The group's RSS; adds the CPU time other processes used since the last scan (a process
-        first seen now counts whole, except at the first scan). The group's descendants in other
-        groups (a server started in its own session) are the group's work, not others'."""
-        rss, procs, first = 0, {}, not self.samples
+    def _count_others(self) -> None:
+        """Add the CPU time other processes used since the last call (a process first seen now
+        counts whole, except at the first call). The sampled group's descendants in groups of
+        their own (a server started in its own session) are the group's work, not others'."""
+        procs: dict[int, tuple[int, int, int]] = {}  # pid -> (ppid, pgrp, CPU ticks)
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
                 # after "pid (comm)": state, ppid, pgrp, ...; utime, stime at 11, 12
-                ppid, pgrp, ticks = int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12])
-                if pgrp == self.pgid:
-                    for line in (stat.parent / "status").read_text().splitlines():
-                        if line.startswith("VmRSS:"):
-                            rss += int(line.split()[1]) * 1024
-                procs[int(stat.parent.name)] = (ppid, pgrp, ticks)
+                procs[int(stat.parent.name)] = (
+                    int(fields[1]),
+                    int(fields[2]),
+                    int(fields[11]) + int(fields[12]),
+                )
             except (OSError, IndexError, ValueError):
                 continue  # the process ended while we looked
         ours: dict[int, bool] = {}  # in the sampled group, or started by one of its processes
@@ -161,11 +160,10 @@ class UsageSampler:
             return verdict
 
         seen = {pid: t for pid, (_, pgrp, t) in procs.items() if pgrp != self._mine and not is_ours(pid)}
-        if not first:
+        if self.samples:
             ticks = sum(max(0, t - self._others.get(pid, 0)) for pid, t in seen.items())
             self._others_s += ticks / os.sysconf("SC_CLK_TCK")
         self._others = seen
-        return rss
 
     def peaks(self, start: float = 0.0, end: float = float("inf")) -> tuple[int, float | None]:
         """Peak RSS (bytes) and GPU MiB between start and end, widened by one and a half intervals

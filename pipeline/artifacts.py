@@ -309,16 +309,23 @@ def read_key(directory: Path) -> str | None:
         return None
 
 
-def cached_step(path: Path, key: str, produce: Callable[[Path], None], lock: Path) -> Path:
+def cached_step(
+    path: Path,
+    key: str,
+    produce: Callable[[Path], None],
+    lock: Path,
+    reusable: Callable[[Path], bool] | None = None,
+) -> Path:
     """The one cache of every shared step (source materialising, reference, F16 base, imatrix, the
     vLLM reference, TensorRT-LLM checkpoints): `path` is a directory computed from inputs hashed to
-    `key`. Reused while its recorded key matches; otherwise `produce(tmp)` fills a fresh sibling
-    directory, which replaces `path` only once complete. A failure leaves no partial directory.
-    Processes computing the same step wait for each other on `lock`."""
+    `key`. Reused while its recorded key matches (and `reusable(path)` agrees, asked under the
+    lock); otherwise `produce(tmp)` fills a fresh sibling directory, which replaces `path` only
+    once complete. A failure leaves no partial directory. Processes computing the same step wait
+    for each other on `lock`."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
-        if read_key(path) == key:
+        if read_key(path) == key and (reusable is None or reusable(path)):
             return path
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -4,7 +4,6 @@ target kinds and the engines, which take it as their first argument."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pipeline.artifacts import Layout, cached_step, read_key
-from pipeline.constants import ENV_TRANSFORMERS, STEP_KEY_FILE
+from pipeline.constants import ENV_TRANSFORMERS
 from pipeline.environments import StepUsage, run_step
 from pipeline.hashing import file_sha256, json_sha256
 from pipeline.source import ResolvedSource
@@ -115,34 +114,30 @@ class BuildContext:
             )
             (tmp / "reference.json").write_text(json.dumps(result))
 
-        key, lock = self.reference_key(), self.layout.lock_path("reference")
+        key = self.reference_key()
         if read_key(out) != key:
             self._reference = None
-        cached = read_key(out) == key
-        cached_step(out, key, compute, lock)
+        cached_step(out, key, compute, self.layout.lock_path("reference"), self._reusable_reference)
         if self._reference is None:
             self._reference = json.loads((out / "reference.json").read_text())
-            if cached and self._degraded_reference_can_improve(self._reference):
-                with open(lock, "a") as fh:  # the cache's own lock: nobody reads it half-replaced
-                    fcntl.flock(fh, fcntl.LOCK_EX)
-                    (out / STEP_KEY_FILE).unlink(missing_ok=True)
-                cached_step(out, key, compute, lock)
-                self._reference = json.loads((out / "reference.json").read_text())
         return self._reference, out
 
-    def _degraded_reference_can_improve(self, reference: dict[str, Any]) -> bool:
+    def _reusable_reference(self, cached: Path) -> bool:
         """A cached reference made in bfloat16 (a busy host's placement) is recomputed once float32
-        fits: the gates compare against the most exact reference the host can make."""
-        dtype = (reference.get("placement") or {}).get("dtype", "float32")
-        if dtype == "float32":
-            return False
+        fits: the gates compare against the most exact reference the host can make. Judged once
+        per build."""
+        if self._reference is not None:
+            return True
+        dtype = (json.loads((cached / "reference.json").read_text()).get("placement") or {}).get("dtype")
+        if dtype in (None, "float32"):  # None: made before placements were recorded (float32)
+            return True
         now = self.step(
             ENV_TRANSFORMERS, {"op": "placement", "model_dir": str(self.source.path)}, "reference"
         )
         if now["placement"]["dtype"] != "float32":
-            return False
+            return True
         self.reporter.step("reference", f"the cached reference ran in {dtype}; float32 fits now: recomputing")
-        return True
+        return False
 
     def reference_key(self) -> str:
         """The hash of the reference's inputs (what its directory is recomputed on)."""

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.constants import ENV_SGLANG, ENV_VLLM, MANIFEST_NAME
 from pipeline.engines import sglang, vllm
-from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv
+from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv, command_line
 from pipeline.environments import environment
 from pipeline.errors import RegistryError, ValidationFailed
 from pipeline.project import Project, inputs_sha256
@@ -200,14 +200,14 @@ def test_the_serve_knobs_reach_both_engines_commands() -> None:
         vllm={"max_model_len": 2048, "max_num_batched_tokens": 512, "enforce_eager": True},
         sglang={"context_length": 2048, "attention_backend": "triton", "disable_cuda_graph": True},
     )
-    command = vllm.serve_command(serve, "compressed-tensors", "float16")
+    command = command_line(vllm.serve_argv(serve, "compressed-tensors", "float16"))
     assert command.endswith(
         "--max-model-len 2048 --gpu-memory-utilization 0.9 --max-num-batched-tokens 512 --enforce-eager"
     )
-    command = sglang.serve_command(serve, "compressed-tensors", "float16")
+    command = command_line(sglang.serve_argv(serve, "compressed-tensors", "float16"))
     assert "--port 9000 --context-length 2048" in command
     assert command.endswith("--attention-backend triton --disable-cuda-graph")
-    assert "--enforce-eager" not in vllm.serve_command(ServeSpec(), "modelopt", "bfloat16")
+    assert "--enforce-eager" not in command_line(vllm.serve_argv(ServeSpec(), "modelopt", "bfloat16"))
 
 
 @pytest.mark.parametrize(
@@ -219,7 +219,7 @@ def test_sglang_reads_gptqmodel_formats_from_the_checkpoint(backend: str, named:
     for kind in ("awq", "gptq"):
         target = KINDS[kind].model_validate({"kind": kind, "backend": backend, "gates": LOOSE})
         assert target.sglang_quantization == target.quantization == named
-        command = sglang.serve_command(ServeSpec(), target.sglang_quantization, "float16")
+        command = command_line(sglang.serve_argv(ServeSpec(), target.sglang_quantization, "float16"))
         assert ("--quantization" in command) == (named is not None)
         assert "--dtype float16" in command
 

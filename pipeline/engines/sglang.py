@@ -35,15 +35,10 @@ def serve_argv(serve: ServeSpec, quantization: str | None, dtype: str) -> list[s
     return argv
 
 
-def serve_command(serve: ServeSpec, quantization: str | None, dtype: str) -> str:
-    """serve_argv as the manifest records it."""
-    return command_line(serve_argv(serve, quantization, dtype))
-
-
 def validate(
     ctx: BuildContext, name: str, artifact: Path, quantization: str | None, dtype: str, gates: Gates
 ) -> EngineVerdict:
-    command = serve_command(ctx.loaded.recipe.serve, quantization, dtype)
+    command = command_line(serve_argv(ctx.loaded.recipe.serve, quantization, dtype))
     details = {"quantization": quantization, "command": command}
     env = environment(ENV_SGLANG)
     if not env.exists:

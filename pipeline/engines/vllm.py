@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline.constants import ENGINE_VLLM, ENV_VLLM
 from pipeline.context import BuildContext
-from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv, command_line, serve_check
+from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv, serve_check
 from pipeline.manifest import EngineVerdict
 from pipeline.spec import Gates, ServeSpec
 from pipeline.validation import not_run, verdict
@@ -33,11 +33,6 @@ def serve_argv(serve: ServeSpec, quantization: str | None, dtype: str) -> list[s
         argv += ["--max-num-batched-tokens", str(knobs.max_num_batched_tokens)]
     argv += [EAGER_FLAG] if knobs.enforce_eager else []
     return argv
-
-
-def serve_command(serve: ServeSpec, quantization: str | None, dtype: str) -> str:
-    """serve_argv as the manifest records it."""
-    return command_line(serve_argv(serve, quantization, dtype))
 
 
 def _score(ctx: BuildContext, log: str, model_dir: Path, dtype: str) -> dict[str, Any]:

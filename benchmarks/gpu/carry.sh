@@ -35,9 +35,9 @@ case "${1:-}" in
     cat part.* > bundle.tar
     [ "$(sha256sum bundle.tar | cut -d' ' -f1)" = "$(cat bundle.sha256)" ] || { echo "bundle sha256 mismatch"; exit 1; }
     rm -rf wheels && mkdir wheels && tar -C wheels -xf bundle.tar && rm bundle.tar part.*
-    # an earlier session's ~/.triton (run_h200.sh collect brings it back): SGLang's first
-    # validation on a fresh host spent ~450 s compiling Triton kernels (2026-12-03)
-    [ -f triton-cache.tgz ] && tar -C "$HOME" -xzf triton-cache.tgz && echo "triton cache: $(du -sh "$HOME/.triton" | cut -f1)"
+    # an earlier session's JIT caches (run_h200.sh collect brings them back): SGLang's first
+    # validation on a fresh host took 427-454 s (2026-12-03), ~/.triton alone did not shorten it
+    [ -f triton-cache.tgz ] && tar -C "$HOME" -xzf triton-cache.tgz && echo "JIT caches: $(tar -tzf triton-cache.tgz | wc -l) files"
     for dir in wheels/*/; do
       env=$(basename "$dir")
       site=/tmp/pipeline-site/$env

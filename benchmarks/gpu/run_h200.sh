@@ -8,7 +8,8 @@
 #                                           raw repeats of the step ops R (default all)
 #   benchmarks/gpu/run_h200.sh qwen2-7b T R 7B-shaped random checkpoint, targets T of
 #                                           benchmarks/gpu/qwen2-7b-shape.yaml (T=gguf: the Llama-declared one)
-#   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment)
+#   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment;
+#                                           TESTS_K: only the tests a -k expression selects)
 #   benchmarks/gpu/run_h200.sh start T R [T2 R2]  in the background (setsid, outliving the call):
 #                                           the qwen2-7b mode with targets T and raw steps R, a second
 #                                           build stream with T2/R2 if given (other targets of the same
@@ -18,7 +19,7 @@
 #                                           (TESTS_FIRST=1: the tests alone first, then the
 #                                           streams)
 #   benchmarks/gpu/run_h200.sh collect      what `start` has so far (logs, results) into
-#                                           $OUT/collect.tgz, ~/.triton into $OUT/triton-cache.tgz
+#                                           $OUT/collect.tgz, ~/.triton and ~/.cache JIT dirs into $OUT/triton-cache.tgz
 #                                           (keep it as .whl/triton-cache.tgz: carry.sh carries it)
 # Artifacts and the accumulated results stay in /tmp/pipeline-work (outside the checkout, which each
 # call lays afresh). Each mode stops itself after LIMIT_S seconds (default 540) so that what it
@@ -61,7 +62,12 @@ case "${1:-}" in
     (cd /tmp/pipeline-work/artifacts 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' \
       -o -name reference.json -o -name '*.activations.json' | tar -czf "$c/artifacts-bg.tgz" -T - 2>/dev/null)
     tar -C "$c" -czf "$OUT/collect.tgz" .
-    tar -C "$HOME" -czf "$OUT/triton-cache.tgz" .triton 2>/dev/null  # for the next host (carry.sh)
+    # for the next host (carry.sh). ~/.triton alone did not shorten SGLang's first start (427 s on
+    # 2026-12-03 with it carried, and it did not grow): the JIT caches under ~/.cache come too
+    caches=$(cd "$HOME" && ls -d .triton .cache/flashinfer .cache/sglang .cache/tvm-ffi .cache/torch_extensions 2>/dev/null)
+    (cd "$HOME" && du -sh $caches 2>/dev/null)
+    # shellcheck disable=SC2086  # one word per cache directory
+    tar -C "$HOME" -czf "$OUT/triton-cache.tgz" $caches 2>/dev/null
     tail -n 20 "$BG/build.log"; echo ---; tail -n 20 "$BG/build2.log" 2>/dev/null; echo ---; tail -n 12 "$BG/tests.log"
     grep -hE "PASSED|FAILED|SKIPPED|ERROR" "$BG/tests/pytest-gpu.log" 2>/dev/null
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader; exit 0
@@ -124,7 +130,10 @@ case "${1:-}" in
       --json "$RESULTS" 2>&1 | tee "$OUT/qwen2-7b-${targets//,/_}.log" | tail -c 20000
     ;;
   tests)
-    timeout -k 10 "$LIMIT_S" python3 -m pytest -v -rfE -m gpu tests/ --durations=8 2>&1 | tee "$OUT/pytest-gpu.log" | tail -c 8000
+    # TESTS_K: a pytest -k expression (2026-12-03, fourth run: the whole GPU suite alone took over
+    # 27 min, the first SGLang start 427 s of it; a session's device time is 30 min)
+    timeout -k 10 "$LIMIT_S" python3 -m pytest -v -rfE -m gpu tests/ --durations=8 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+      | tee "$OUT/pytest-gpu.log" | tail -c 8000
     ;;
   *) echo "usage: $0 warm|smollm2|qwen2-7b|tests" >&2; exit 2 ;;
 esac

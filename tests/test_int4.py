@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.constants import ENV_SGLANG, ENV_VLLM, MANIFEST_NAME
 from pipeline.engines import sglang, vllm
-from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv, command_line
+from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv, command_line, serve_check
 from pipeline.environments import environment
 from pipeline.errors import RegistryError, ValidationFailed
 from pipeline.project import Project, inputs_sha256
@@ -183,10 +183,12 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
     assert str(good.generations[0]["output_ids"]) in bad.reason
 
     # a server that exits before it is ready (on the H200, SGLang's missing `soundfile`): the
-    # verdict fails on the serve check and keeps the offline scores it measured
-    broken = vllm.validate(
-        ctx, "tiny", tiny_llama, "bfloat16", gates, serve(str(other), "--enforce-eager", "--no-such-flag")
-    )
+    # verdict fails on the serve check and keeps the offline scores it measured (the serve check
+    # alone, on a copy of the passed verdict: validate's offline scoring is the same as above)
+    broken = good.model_copy(deep=True)
+    offline = {"generations": good.generations}
+    argv = serve(str(other), "--enforce-eager", "--no-such-flag")
+    serve_check(ctx, ENV_VLLM, "tiny", tiny_llama, argv, offline, broken, vllm.EAGER_FLAG)
     assert broken.status == "failed" and broken.reason is not None
     assert broken.reason.startswith("the serve check's server did not answer: "), broken.reason
     assert "exited with code" in broken.reason and "--no-such-flag" in broken.reason

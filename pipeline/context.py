@@ -16,6 +16,8 @@ from pipeline.environments import StepUsage, run_step
 from pipeline.hashing import file_sha256, json_sha256
 from pipeline.source import ResolvedSource
 from pipeline.spec import CalibrationOverride, LoadedRecipe
+from pipeline.workers.calibration import SELECTION_VERSION
+from pipeline.workers.scoring import EVAL_CONVENTION
 
 
 class Reporter(Protocol):
@@ -84,6 +86,8 @@ class BuildContext:
             "source": self.source.sha256,
             "eval_text": file_sha256(self.loaded.text_path(r.evaluation.text)),
             "evaluation": r.evaluation.model_dump(),
+            "convention": EVAL_CONVENTION,
+            "calibration_selection": SELECTION_VERSION,  # the BOS framing of every quantizer's chunks
             "smoke": r.smoke.model_dump(),
             "toolchain": self.versions(ENV_TRANSFORMERS),
         }

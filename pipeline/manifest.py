@@ -48,6 +48,7 @@ class Metrics(BaseModel):
     tokens_per_s: float | None  # smoke prompts one at a time, prefill included
     prompt_tokens_per_s: float | None
     eval_tokens: int
+    scored_tokens: int | None = None  # the predictions the numbers are over (from ctx/2 of each window)
 
 
 class EngineVerdict(_Model):

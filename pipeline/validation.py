@@ -24,6 +24,7 @@ def metrics(scores: dict[str, Any], reference: dict[str, Any], **extra: Any) -> 
         ppl_ref=reference["ppl"],
         ppl_delta_pct=(scores["ppl"] / reference["ppl"] - 1.0) * 100.0,
         eval_tokens=len(reference["eval_ids"]),
+        scored_tokens=scores.get("predicted_tokens"),
         **extra,
     )
 
@@ -84,11 +85,17 @@ def not_run(status: Status, reason: str, **details: Any) -> EngineVerdict:
 
 def reference_record(reference: dict[str, Any]) -> dict[str, Any]:
     """What the manifest says about the reference the numbers are relative to: the precision and
-    device it ran in (chosen from the model size and free memory: pipeline.workers.reference)."""
+    device it ran in (chosen from the model size and free memory: pipeline.workers.reference) and
+    the scoring convention."""
     place = reference.get("placement") or {"dtype": "float32", "device": "cpu"}  # made before placement
     return {
         "engine": "transformers",
         "toolchain": reference["toolchain"],
         "dtype": place["dtype"],
         "device": place.get("device_name", place["device"]),
+        # which ids and positions every number is on (pipeline.workers.scoring): windows of ctx
+        # tokens headed by BOS when the tokenizer adds one, predictions from position scored_from on
+        "ctx": reference["ctx"],
+        "bos_token_id": reference.get("bos_token_id"),
+        "scored_from": reference.get("scored_from", 0),  # 0: a reference made before conventions
     }

@@ -99,6 +99,15 @@ def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_art
     by_llama = verdict["details"]["llama_perplexity"]
     assert by_llama["tool"] == "llama-perplexity" and by_llama["kld_mean"] == pytest.approx(0, abs=1e-4)
     assert by_llama["chunks"] == 2 and by_llama["tokens_scored"] == 2 * 63  # tokens 256, ctx 128
+    # the project's numbers are on llama-perplexity's conventions (same windows, the second half of
+    # each scored, BOS as the tokenizer has it): the same positions, and the same perplexity from
+    # llama.cpp through either path
+    reference = f16["validation"]["reference"]
+    assert reference["ctx"] == 128 and reference["scored_from"] == 64
+    assert reference["bos_token_id"] is None  # SmolLM2's tokenizer declares BOS and does not add it
+    assert metrics["scored_tokens"] == by_llama["tokens_scored"]
+    assert metrics["ppl"] == pytest.approx(by_llama["ppl"], rel=1e-3)
+    assert metrics["ppl_ref"] == pytest.approx(by_llama["ppl_base"], rel=1e-2)  # transformers fp32 vs F16
 
     q4 = read_json(root / "gguf-q4_0" / MANIFEST_NAME)
     assert set(q4["toolchain"]) == {"llamacpp"}  # imatrix: llama-imatrix, in the llama.cpp environment

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.constants import GGUF_QUANTS
-from pipeline.workers.calibration import calibration_chunks, read_text
+from pipeline.workers.calibration import bos_windows, calibration_chunks, read_text
 from pipeline.workers.protocol import installed_versions, worker_main
 from pipeline.workers.scoring import (
     WindowScorer,
@@ -164,7 +164,8 @@ def _plain_text(path: str, tmp: Path) -> Path:
 
 def op_imatrix(req: dict[str, Any]) -> dict[str, Any]:
     """Importance matrix with llama-imatrix over the calibration chunks the transformers path would
-    use (same selection, seed and length, in llama.cpp's tokens); written as llama.cpp's GGUF imatrix."""
+    use (same selection, seed and length, in llama.cpp's tokens); written as llama.cpp's GGUF imatrix.
+    llama-imatrix frames each chunk itself (BOS first where the GGUF says add_bos_token)."""
     import gguf
     import llama_cpp
 
@@ -339,7 +340,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         verbose=False,
     )
     load_s = time.perf_counter() - t0
-    scorer = WindowScorer(np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r"))
+    scorer = WindowScorer(np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r"), ref)
     eval_ids = ref["eval_ids"]
     eval_s = 0.0
     for start, window in windows(eval_ids, ctx):
@@ -364,8 +365,12 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         shown = out[:-1] if eos else out  # the other engines' texts leave the end-of-turn token out
         text = llm.detokenize(shown).decode("utf-8", errors="replace")
         records.append(generation_record(g, out, text, eos))
+    # llama.cpp's own framing of the evaluation text (BOS first where the GGUF says add_bos_token,
+    # each window's head BOS, as llama-perplexity does) against the reference's ids
     text = Path(req["eval_text_path"]).read_text().encode()
-    ours_ids = llm.tokenize(text, add_bos=False, special=False)[: len(eval_ids)]
+    framed = llm.tokenize(text, add_bos=True, special=False)
+    bos = llm.token_bos() if framed and framed[0] == llm.token_bos() else None
+    ours_ids = [t for w in bos_windows(framed, ctx, bos) for t in w][: len(eval_ids)]
     return {
         **scorer.result(),
         **generation_scores(records, gen_s),

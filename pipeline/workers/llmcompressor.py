@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.workers.calibration import calibration_chunks, read_text
+from pipeline.workers.calibration import calibration_chunks, document_ids, read_text
 from pipeline.workers.protocol import installed_versions, worker_main
 
 
@@ -51,8 +51,8 @@ def op_quantize(req: dict[str, Any]) -> dict[str, Any]:
     text = read_text(req["text_path"])
     if not text.strip():
         raise ValueError(f"calibration file {req['text_path']} is empty")
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    chunks = calibration_chunks(ids, req["samples"], req["seq_len"], req["seed"])
+    ids, bos = document_ids(tok, text)
+    chunks = calibration_chunks(ids, req["samples"], req["seq_len"], req["seed"], bos)
     dataset = Dataset.from_dict({"input_ids": chunks, "attention_mask": [[1] * len(c) for c in chunks]})
     weights = QuantizationArgs(
         num_bits=req["bits"],

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.workers.calibration import calibration_chunks, read_text
+from pipeline.workers.calibration import calibration_chunks, document_ids, read_text
 from pipeline.workers.protocol import installed_versions, worker_main
 
 # recipe quant -> ModelOpt preset config (None: export unquantized)
@@ -130,8 +130,8 @@ def op_checkpoint(req: dict[str, Any]) -> dict[str, Any]:
 
 def _calibration(tok: Any, req: dict[str, Any]) -> list[list[int]]:
     text = read_text(req["text_path"])
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    chunks = calibration_chunks(ids, req["samples"], req["seq_len"], req["seed"])
+    ids, bos = document_ids(tok, text)
+    chunks = calibration_chunks(ids, req["samples"], req["seq_len"], req["seed"], bos)
     if len(chunks) < req["samples"]:
         raise ValueError(
             f"calibration set too small: {req['text_path']} gives {len(chunks)} sequences of "

@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.workers.calibration import calibration_chunks, read_text
+from pipeline.workers.calibration import bos_windows, calibration_chunks, document_ids, read_text
 from pipeline.workers.protocol import installed_versions, worker_main
+from pipeline.workers.scoring import scored_from
 
 EOT_TOKEN = "<|im_end|>"  # ChatML end of turn (SmolLM2, Qwen2)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -119,12 +120,15 @@ def op_reference(req: dict[str, Any]) -> dict[str, Any]:
     tok, model = _load(req["model_dir"], req["trust_remote_code"], place)
     load_s = time.perf_counter() - t0
     device = place["device"]
-    ids = tok(read_text(req["eval_text_path"]), add_special_tokens=False)["input_ids"]
+    # llama-perplexity's framing: the document's ids (BOS first if the tokenizer adds one), cut
+    # into windows of ctx each starting with BOS, scored from ctx/2 on (pipeline.workers.scoring)
+    ids, bos = document_ids(tok, read_text(req["eval_text_path"]))
     ctx, want = req["ctx"], req["eval_tokens"]
     n_chunks = min(len(ids), want) // ctx
     if n_chunks == 0:
         raise ValueError(f"evaluation text has {len(ids)} tokens, fewer than one ctx of {ctx}")
-    eval_ids = ids[: n_chunks * ctx]
+    eval_ids = [t for w in bos_windows(ids[: n_chunks * ctx], ctx, bos) for t in w]
+    first = scored_from(ctx)
     out = Path(req["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     nll, n_pred, all_logits = 0.0, 0, []
@@ -134,8 +138,8 @@ def op_reference(req: dict[str, Any]) -> dict[str, Any]:
             chunk = torch.tensor([eval_ids[c * ctx : (c + 1) * ctx]], device=device)
             logits = model(chunk).logits[0].float()
             logp = torch.log_softmax(logits.double(), dim=-1)
-            nll -= logp[:-1].gather(1, chunk[0, 1:, None]).sum().item()
-            n_pred += ctx - 1
+            nll -= logp[first:-1].gather(1, chunk[0, first + 1 :, None]).sum().item()
+            n_pred += ctx - 1 - first
             all_logits.append(logits.cpu().numpy())
     eval_s = time.perf_counter() - t1
     np.save(out / "logits.npy", np.concatenate(all_logits).astype(np.float32))
@@ -167,6 +171,8 @@ def op_reference(req: dict[str, Any]) -> dict[str, Any]:
     return {
         "eval_ids": eval_ids,
         "ctx": ctx,
+        "bos_token_id": bos,  # null: the tokenizer adds none, and no window starts with one
+        "scored_from": first,
         "vocab": int(all_logits[0].shape[-1]),
         "ppl": float(np.exp(nll / n_pred)),
         "eos_token_ids": eos_ids,
@@ -196,8 +202,8 @@ def op_imatrix(req: dict[str, Any]) -> dict[str, Any]:
 
     place = placement_for(req["model_dir"])
     tok, model = _load(req["model_dir"], req["trust_remote_code"], place)
-    ids = tok(read_text(req["text_path"]), add_special_tokens=False)["input_ids"]
-    chunks = calibration_chunks(ids, req["samples"], req["seq_len"], req["seed"])
+    ids, bos = document_ids(tok, read_text(req["text_path"]))
+    chunks = calibration_chunks(ids, req["samples"], req["seq_len"], req["seed"], bos)
 
     arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[req["gguf_arch"]]
     n_blocks = model.config.num_hidden_layers

@@ -4,6 +4,11 @@ Stdlib at import (numpy inside the functions): imported in every tool environmen
 number means is fixed here, so llama.cpp, vLLM, SGLang and TensorRT-LLM report the same measures:
 
 - `ppl`: perplexity of the engine on the reference's evaluation token ids.
+
+Which positions count is llama-perplexity's convention, the field's scoreboard: the evaluation ids
+are cut into windows of `ctx` tokens, each window starts with BOS when the model's tokenizer adds
+one (the reference writes it into the ids), and only the predictions made with at least `ctx/2`
+tokens of context are scored (`scored_from`, recorded in the reference and the manifest).
 - `kld_mean`: mean full-vocabulary KL(reference || engine) per predicted token (engines that
   return whole logit rows: llama.cpp, TensorRT-LLM).
 - `kld_topk_mean`: the same KL on the partition {each of the engine's top-k tokens} + {the rest},
@@ -19,6 +24,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+# Part of the reference's inputs (so of every target's): bump when which ids or positions are scored
+# changes. 2: llama-perplexity's framing (BOS-headed windows where the tokenizer adds BOS, positions
+# from ctx/2 on); 1 (unrecorded): no BOS, every position from the second on.
+EVAL_CONVENTION = {"version": 2, "framing": "llama-perplexity", "scored_from": "ctx/2"}
 KLD_FULL = "kld_mean"
 KLD_TOPK = "kld_topk_mean"
 
@@ -38,12 +47,20 @@ def _log_softmax(x: Any) -> Any:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+def scored_from(ctx: int) -> int:
+    """The first position of a window whose prediction is scored: llama-perplexity's `n_ctx/2`."""
+    return ctx // 2
+
+
 class WindowScorer:
     """Accumulates an engine's scores on the evaluation windows against the reference's logits
-    (`ref_logits`: one row per position of the reference's evaluation ids, full vocabulary)."""
+    (`ref_logits`: one row per position of the reference's evaluation ids, full vocabulary);
+    `reference` is the reference's record, whose `ctx` and `scored_from` say which positions count."""
 
-    def __init__(self, ref_logits: Any) -> None:
+    def __init__(self, ref_logits: Any, reference: dict[str, Any]) -> None:
         self.ref_logits = ref_logits
+        self.ctx = int(reference["ctx"])
+        self.first = int(reference["scored_from"])
         self.nll = self.kld = 0.0
         self.top1 = self.predicted = 0
         self.measure: str | None = None
@@ -54,25 +71,37 @@ class WindowScorer:
             raise ValueError(f"one scorer cannot mix {self.measure} and {measure}")
         self.measure = measure
 
+    def scored(self, position: int) -> bool:
+        """Whether the prediction made at `position` of the evaluation ids counts."""
+        return position % self.ctx >= self.first
+
     def add_logits(self, start: int, logits: Any, next_ids: list[int]) -> None:
-        """Full logit rows for positions start.. of the evaluation ids; row i predicts next_ids[i]."""
+        """Full logit rows for positions start.. of the evaluation ids; row i predicts next_ids[i]
+        (rows of unscored positions are dropped here)."""
         import numpy as np
 
         self._use(KLD_FULL)
-        rows = len(next_ids)
+        keep = [i for i in range(len(next_ids)) if self.scored(start + i)]
+        if not keep:
+            return
+        rows = len(keep)
         vocab = min(logits.shape[1], self.ref_logits.shape[1])
-        logq = _log_softmax(np.asarray(logits[:rows, :vocab]))
-        logp = _log_softmax(np.asarray(self.ref_logits[start : start + rows, :vocab]))
-        self.nll -= float(logq[np.arange(rows), np.array(next_ids)].sum())
+        logq = _log_softmax(np.asarray(logits[: len(next_ids), :vocab])[keep])
+        logp = _log_softmax(np.asarray(self.ref_logits[start : start + len(next_ids), :vocab])[keep])
+        targets = np.array(next_ids)[keep]
+        self.nll -= float(logq[np.arange(rows), targets].sum())
         self.kld += float((np.exp(logp) * (logp - logq)).sum())
         self.top1 += int((logq.argmax(1) == logp.argmax(1)).sum())
         self.predicted += rows
 
     def add_topk(self, position: int, next_logprob: float, top: dict[int, float], k: int) -> None:
-        """One position's engine logprobs: the actual next token's and its top-k (token id -> logprob)."""
+        """One position's engine logprobs: the actual next token's and its top-k (token id -> logprob);
+        an unscored position is ignored."""
         import numpy as np
 
         self._use(KLD_TOPK)
+        if not self.scored(position):
+            return
         self.top_k = k
         p = np.exp(_log_softmax(np.asarray(self.ref_logits[position])))
         q = {t: math.exp(lp) for t, lp in top.items()}

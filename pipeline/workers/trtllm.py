@@ -81,7 +81,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     runner = ModelRunnerCpp.from_dir(req["engine_dir"], rank=0)
     load_s = time.perf_counter() - t0
-    scorer = WindowScorer(np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r"))
+    scorer = WindowScorer(np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r"), ref)
     t1 = time.perf_counter()
     for start, window in windows(ref["eval_ids"], ctx):
         out = runner.generate(

@@ -107,7 +107,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
     )
     startup_s = time.perf_counter() - t0
 
-    scorer = WindowScorer(np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r"))
+    scorer = WindowScorer(np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r"), ref)
     chunks = windows(eval_ids, ctx)
     t1 = time.perf_counter()
     outs = llm.generate(

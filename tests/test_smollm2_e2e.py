@@ -113,6 +113,15 @@ def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> N
     assert {b["tool"] for b in by_llama.values()} == {"llama-perplexity"}
     kld = {t: b["kld_mean"] for t, b in by_llama.items()}
     assert kld["gguf-f16"] < 1e-4 < kld["gguf-q8_0"] < kld["gguf-iq4_xs"] < kld["gguf-q4_0"]
+    # ... and the gated numbers are on llama-perplexity's conventions (windows of ctx, the second
+    # half of each scored, BOS as SmolLM2's tokenizer has it: none), so they agree with its own
+    for t, m in gguf.items():
+        ours, theirs = m["validation"]["metrics"], by_llama[t]
+        reference = m["validation"]["reference"]
+        assert (reference["ctx"], reference["scored_from"], reference["bos_token_id"]) == (512, 256, None)
+        assert ours["scored_tokens"] == theirs["tokens_scored"], t
+        assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-3), t
+        assert abs(ours["ppl_delta_pct"] - theirs["ppl_delta_pct"]) < 0.5, (t, ours, theirs)
 
     # AWQ from llm-compressor (compressed-tensors), GPTQ from GPTQModel (its GPTQ format): the two
     # backends the default recipe picked on benchmarks/results/quantizer-*.md

@@ -20,7 +20,7 @@ from pipeline.constants import (
 from pipeline.context import BuildContext
 from pipeline.engines.serving import ARTIFACT_DIR
 from pipeline.hashing import file_sha256
-from pipeline.manifest import Validation
+from pipeline.manifest import Metrics, Validation
 from pipeline.spec import ServeSpec
 from pipeline.targets.base import BuildOutput, Target, register
 from pipeline.validation import reference_record, verdict
@@ -29,6 +29,11 @@ from pipeline.workers.calibration import SELECTION_VERSION
 BASE_FILE = "base.gguf"
 IMATRIX_FILES = {"llama-imatrix": "imatrix.gguf", "transformers": "imatrix.npz"}
 KLD_BASE_FILE = "kld-base.bin"
+# The self-check against llama.cpp's own tool: the gated numbers and llama-perplexity's are on the
+# same windows and positions, so they may differ only by these (measured in tests/test_gguf_build.py
+# and the end-to-end test); beyond either, the verdict fails naming both numbers.
+SAME_GGUF_PPL_RTOL = 0.005  # the artifact's PPL: llama-cpp-python vs llama-perplexity
+REFERENCE_BASE_PPL_RTOL = 0.01  # the fp32 transformers reference vs llama-perplexity on the F16 GGUF
 
 
 @register
@@ -202,11 +207,13 @@ class GgufTarget(Target):
             metrics_tool="llama-cpp-python's logits against the transformers reference",
             llama_perplexity=self._llama_perplexity(ctx, name, artifact),
         )
+        problems = disagreements(result.metrics, result.details["llama_perplexity"])
         if got["eos_token_id"] not in ref["eos_token_ids"]:
+            eos = got["eos_token_id"]
+            problems.append(f"GGUF eos token {eos} is not the reference's {ref['eos_token_ids']}")
+        if problems:
             result.status = "failed"
-            result.reason = (
-                f"GGUF eos token {got['eos_token_id']} is not the reference's {ref['eos_token_ids']}"
-            )
+            result.reason = "; ".join([result.reason, *problems] if result.reason else problems)
         return Validation.of(ENGINE_LLAMACPP, {ENGINE_LLAMACPP: result}, reference_record(ref))
 
     def _llama_perplexity(self, ctx: BuildContext, name: str, artifact: Path) -> dict[str, Any]:
@@ -264,6 +271,22 @@ class GgufTarget(Target):
         argv += ["--n_threads", str(knobs.n_threads)] if knobs.n_threads else []
         argv += ["--interrupt_requests", str(knobs.interrupt_requests)]
         return argv
+
+
+def disagreements(metrics: Metrics | None, by_llama: dict[str, Any]) -> list[str]:
+    """Where the gated numbers and llama-perplexity's disagree beyond the measured tolerances."""
+    if metrics is None:
+        return []
+    found = []
+    checks = (
+        ("the GGUF's PPL", metrics.ppl, by_llama["ppl"], SAME_GGUF_PPL_RTOL, "llama-perplexity's"),
+        ("the reference's PPL", metrics.ppl_ref, by_llama["ppl_base"], REFERENCE_BASE_PPL_RTOL,
+         "llama-perplexity's on the F16 GGUF"),
+    )  # fmt: skip
+    for what, ours, theirs, rtol, whose in checks:
+        if not abs(ours / theirs - 1.0) <= rtol:
+            found.append(f"{what} {ours:.4f} disagrees with {whose} {theirs:.4f} (beyond {rtol:.1%})")
+    return found
 
 
 def _convert_request(ctx: BuildContext, dest: Path, outtype: str) -> dict[str, Any]:

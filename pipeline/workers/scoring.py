@@ -4,11 +4,6 @@ Stdlib at import (numpy inside the functions): imported in every tool environmen
 number means is fixed here, so llama.cpp, vLLM, SGLang and TensorRT-LLM report the same measures:
 
 - `ppl`: perplexity of the engine on the reference's evaluation token ids.
-
-Which positions count is llama-perplexity's convention, the field's scoreboard: the evaluation ids
-are cut into windows of `ctx` tokens, each window starts with BOS when the model's tokenizer adds
-one (the reference writes it into the ids), and only the predictions made with at least `ctx/2`
-tokens of context are scored (`scored_from`, recorded in the reference and the manifest).
 - `kld_mean`: mean full-vocabulary KL(reference || engine) per predicted token (engines that
   return whole logit rows: llama.cpp, TensorRT-LLM).
 - `kld_topk_mean`: the same KL on the partition {each of the engine's top-k tokens} + {the rest},
@@ -17,6 +12,11 @@ tokens of context are scored (`scored_from`, recorded in the reference and the m
 - `token_agreement`: leading-token agreement of greedy generations on the smoke prompts.
 - `tokens_per_s`: smoke prompts generated one at a time, generated tokens / wall seconds
   (prefill included); `prompt_tokens_per_s`: evaluation tokens scored / wall seconds.
+
+Which positions count is llama-perplexity's convention, the field's scoreboard: the evaluation ids
+are cut into windows of `ctx` tokens, each window starts with BOS when the model's tokenizer adds
+one (the reference writes it into the ids), and only the predictions made with at least `ctx/2`
+tokens of context are scored (`scored_from`, recorded in the reference and the manifest).
 """
 
 from __future__ import annotations

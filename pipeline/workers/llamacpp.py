@@ -374,7 +374,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
     return {
         **scorer.result(),
         **generation_scores(records, gen_s),
-        "prompt_tokens_per_s": scorer.predicted / eval_s if eval_s else None,
+        "prompt_tokens_per_s": len(ref["eval_ids"]) / eval_s if eval_s else None,
         "load_s": load_s,
         "placement": {"gpu_offload": offload, "n_gpu_layers": -1 if offload else 0, "threads": threads},
         "eos_token_id": llm.token_eos(),

@@ -11,7 +11,7 @@ number means is fixed here, so llama.cpp, vLLM, SGLang and TensorRT-LLM report t
 - `top1_agreement`: share of positions where the engine's and the reference's argmax agree.
 - `token_agreement`: leading-token agreement of greedy generations on the smoke prompts.
 - `tokens_per_s`: smoke prompts generated one at a time, generated tokens / wall seconds
-  (prefill included); `prompt_tokens_per_s`: evaluation tokens scored / wall seconds.
+  (prefill included); `prompt_tokens_per_s`: evaluation tokens processed / wall seconds.
 
 Which positions count is llama-perplexity's convention, the field's scoreboard: the evaluation ids
 are cut into windows of `ctx` tokens, each window starts with BOS when the model's tokenizer adds

@@ -136,7 +136,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         "first_generation_top_logprobs": first_top,
         **scorer.result(),
         **generation_scores(records, gen_s),
-        "prompt_tokens_per_s": scorer.predicted / score_s,
+        "prompt_tokens_per_s": len(ref["eval_ids"]) / score_s,
         "startup_s": startup_s,
         "quantization": llm.llm_engine.model_config.quantization,
         "engine_env": env,

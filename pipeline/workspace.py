@@ -97,6 +97,27 @@ def artifact_name(recipe: str, target: str) -> str:
     return f"{recipe}-{target}"
 
 
+def stale_stage(rel: str, status: dict[str, Any]) -> list[str]:
+    """Why `dvc status REL --json` says REL's stage is not up to date, in words: its output's bytes
+    differ from dvc.lock's, or (a clone without the stage's inputs, an edited recipe) only its
+    inputs changed or are missing here."""
+    outs, deps = [], []
+    for entries in status.values():
+        for entry in entries:
+            if not isinstance(entry, dict):  # "always changed", "changed checksum"
+                deps.append(str(entry))
+                continue
+            outs += [f"{path} {state}" for path, state in entry.get("changed outs", {}).items()]
+            deps += [f"{path} {state}" for path, state in entry.get("changed deps", {}).items()]
+    if outs:
+        return [
+            f"{rel} differs from what dvc.lock records: {', '.join(outs)} (run `dvc commit` or `dvc repro`)"
+        ]
+    if deps:
+        return [f"{rel}'s stage is not up to date here: {', '.join(deps)} (run `dvc repro`)"]
+    return []
+
+
 def dvc_location(artifact_dir: Path, recipe: str, target: str) -> dict[str, Any] | None:
     """How a deploy job elsewhere fetches this artifact with DVC, or None outside a workspace.
 
@@ -116,8 +137,8 @@ def dvc_location(artifact_dir: Path, recipe: str, target: str) -> dict[str, Any]
     status = ws.dvc("status", rel, "--json")
     if here is None or status.returncode != 0:
         missing.append(f"{rel} is not an output of a DVC stage with a dvc.lock entry (run `dvc repro`)")
-    elif json.loads(status.stdout or "{}"):
-        missing.append(f"{rel} differs from what dvc.lock records (run `dvc commit` or `dvc repro`)")
+    else:
+        missing += stale_stage(rel, json.loads(status.stdout or "{}"))
     committed = ws.lock_entry(rel, rev)
     same_lock = here is not None and committed is not None and committed.get("md5") == here.get("md5")
     lock_committed = same_lock and not missing  # HEAD's lock records the bytes in the work tree

@@ -18,6 +18,7 @@ from pipeline.errors import RegistryError
 from pipeline.hashing import file_sha256
 from pipeline.manifest import FileEntry, read_manifest, write_manifest
 from pipeline.registry import Rebuilt, Registry
+from pipeline.workspace import stale_stage
 from tests.conftest import write_artifact
 
 _artifact = write_artifact
@@ -549,9 +550,11 @@ def test_dvc_coordinates_are_given_only_when_true(tmp_path: Path) -> None:
     reg.register(_rewrite(workspace))
     latest = reg.resolve("m", "llama.cpp", "Q8_0")
     assert latest["version"] == 2 and not latest["dvc"]["fetchable"]
-    assert latest["dvc"]["missing"] == [
-        "artifacts/m/gguf-q8_0 differs from what dvc.lock records (run `dvc commit` or `dvc repro`)"
-    ]
+    (reason,) = latest["dvc"]["missing"]
+    assert reason.startswith(
+        "artifacts/m/gguf-q8_0 differs from what dvc.lock records: artifacts/m/gguf-q8_0 "
+    )
+    assert reason.endswith(" (run `dvc commit` or `dvc repro`)")
     assert not latest["dvc"]["lock_committed"]
     # prod: still version 1, from its kept copy here, and elsewhere at the commit it was promoted at
     prod = reg.resolve("m", "llama.cpp", "Q8_0", stage="prod")
@@ -602,3 +605,25 @@ def test_dvc_coordinates_are_given_only_when_true(tmp_path: Path) -> None:
     assert pushed["fetchable"] and pushed["repo"] == str(tmp_path / "origin.git")
     _git_dvc(ws, "git", "commit", "-q", "--allow-empty", "-m", "local only")
     assert not reg.resolve("m", "llama.cpp", "Q8_0")["dvc"]["fetchable"]
+
+
+def test_a_stage_whose_inputs_alone_changed_is_not_said_to_hold_other_bytes() -> None:
+    """`dvc status` of an artifact in a clone lacking its stage's inputs (the recipe's `.source.json`
+    is a cache: false output of another stage): the reason names the inputs, not the artifact."""
+    rel = "artifacts/m/gguf-q8_0"
+    deps = {"m@m-gguf-q8_0": [{"changed deps": {"artifacts/m/.source.json": "deleted"}}]}
+    assert stale_stage(rel, deps) == [
+        f"{rel}'s stage is not up to date here: artifacts/m/.source.json deleted (run `dvc repro`)"
+    ]
+    both = {
+        "m@m-gguf-q8_0": [
+            {"changed deps": {"recipes/m.yaml": "modified"}},
+            {"changed outs": {rel: "modified"}},
+        ]
+    }
+    (reason,) = stale_stage(rel, both)
+    assert reason.startswith(f"{rel} differs from what dvc.lock records: {rel} modified")
+    assert stale_stage(rel, {"m@m-gguf-q8_0": ["always changed"]}) == [
+        f"{rel}'s stage is not up to date here: always changed (run `dvc repro`)"
+    ]
+    assert stale_stage(rel, {}) == []

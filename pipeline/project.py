@@ -203,21 +203,24 @@ class Project:
         inputs = self.target_inputs(ctx, name, spec)
         old = None if force else self.current_manifest(name)
         damaged: list[str] = []
+        outdated: str | None = None
         if old is not None and old.build.inputs_sha256 == inputs.sha256:
             # the bytes too (full sha256: ~10 s for 15 GB at 1.6 GB/s), or DVC would record them
             damaged = verify_files(self.layout.target_dir(name), old.files)
-            if not damaged:
+            outdated = None if damaged else _outdated_reference(ctx, old)
+            if not damaged and outdated is None:
                 return self.up_to_date(name, spec)
-            ctx.reporter.step(name, f"the workspace artifact is damaged ({damaged[0]}): rebuilding it")
+            why = outdated or f"the workspace artifact is damaged ({damaged[0]})"
+            ctx.reporter.step(name, f"{why}: rebuilding it")
         staging = self.layout.new_staging(name)
         try:
             manifest = self.make_artifact(ctx, name, spec, staging, inputs)
             result = self.record(name, spec, staging, manifest)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        if damaged:
-            rebuilt = f"rebuilt: the workspace copy was damaged ({'; '.join(damaged)})"
-            result.message = "; ".join(filter(None, [result.message, rebuilt]))
+        if damaged or outdated:
+            why = outdated or f"the workspace copy was damaged ({'; '.join(damaged)})"
+            result.message = "; ".join(filter(None, [result.message, f"rebuilt: {why}"]))
         return result
 
     def up_to_date(self, name: str, spec: Target) -> TargetResult:
@@ -366,6 +369,18 @@ def inputs_sha256(
             "toolchain": toolchain,
         }
     )
+
+
+def _outdated_reference(ctx: BuildContext, old: Manifest) -> str | None:
+    """Why an artifact's numbers are against another reference than this host's now (a bfloat16
+    one made on a busy host, recomputed in float32 since), or None."""
+    recorded = (old.validation.reference or {}).get("dtype")
+    if recorded is None:  # no reference (nothing validated), or one made before placements
+        return None
+    now = (ctx.reference()[0].get("placement") or {}).get("dtype", "float32")
+    if recorded == now:
+        return None
+    return f"validated against a {recorded} reference, which is {now} now"
 
 
 def _passes(artifact_dir: Path) -> bool:

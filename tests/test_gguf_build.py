@@ -351,6 +351,16 @@ def test_a_changed_environment_makes_the_target_stale(
     [first] = build_recipe(recipe, threads=2)
     [same] = build_recipe(recipe, threads=2)
     assert (first.outcome, same.outcome) == ("built", "up-to-date")
+    # an artifact validated against a bfloat16 reference (a busy host's), the reference float32 now
+    path = _isolated_artifacts / "tiny" / "gguf-f16" / MANIFEST_NAME
+    manifest = read_json(path)
+    manifest["validation"]["reference"]["dtype"] = "bfloat16"
+    path.chmod(0o644)
+    path.write_text(json.dumps(manifest))
+    [revalidated] = build_recipe(recipe, threads=2)
+    assert revalidated.outcome == "built"
+    assert revalidated.message.endswith("validated against a bfloat16 reference, which is float32 now")
+    assert read_json(path)["validation"]["reference"]["dtype"] == "float32"
     monkeypatch.setenv("PYTHONPATH", str(_shadow_version(tmp_path, "gguf", "99.0")))
     [after] = build_recipe(recipe, threads=2)
     assert after.outcome == "built"

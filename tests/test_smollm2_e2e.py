@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from pipeline.constants import MANIFEST_NAME
+from pipeline.targets.gguf import REFERENCE_BASE_PPL_RTOL, SAME_GGUF_PPL_RTOL
 from tests.conftest import REPO, chart_points, llama_servers, read_json, render_in_chromium, serve_and_ask
 
 pytestmark = pytest.mark.slow
@@ -115,13 +116,21 @@ def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> N
     assert kld["gguf-f16"] < 1e-4 < kld["gguf-q8_0"] < kld["gguf-iq4_xs"] < kld["gguf-q4_0"]
     # ... and the gated numbers are on llama-perplexity's conventions (windows of ctx, the second
     # half of each scored, BOS as SmolLM2's tokenizer has it: none), so they agree with its own
+    # within the verdict's self-check tolerances (pipeline/targets/gguf.py)
     for t, m in gguf.items():
         ours, theirs = m["validation"]["metrics"], by_llama[t]
         reference = m["validation"]["reference"]
         assert (reference["ctx"], reference["scored_from"], reference["bos_token_id"]) == (512, 256, None)
         assert ours["scored_tokens"] == theirs["tokens_scored"], t
-        assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=1e-3), t
-        assert abs(ours["ppl_delta_pct"] - theirs["ppl_delta_pct"]) < 0.5, (t, ours, theirs)
+        assert ours["ppl"] == pytest.approx(theirs["ppl"], rel=SAME_GGUF_PPL_RTOL), t
+        assert ours["ppl_ref"] == pytest.approx(theirs["ppl_base"], rel=REFERENCE_BASE_PPL_RTOL), t
+        assert abs(ours["ppl_delta_pct"] - theirs["ppl_delta_pct"]) < 1.0, (t, ours, theirs)
+        # KLD against the fp32 reference vs against the F16 GGUF (measured: within 7 % on Q8_0,
+        # 1.3 % on Q4_0, 0.1 % on IQ4_XS)
+        assert (
+            abs(ours["kld_mean"] - theirs["kld_mean"])
+            <= 0.1 * max(ours["kld_mean"], theirs["kld_mean"]) + 1e-4
+        )
 
     # AWQ from llm-compressor (compressed-tensors), GPTQ from GPTQModel (its GPTQ format): the two
     # backends the default recipe picked on benchmarks/results/quantizer-*.md

@@ -14,6 +14,7 @@ or a JSON error with a one-line message (pipeline.workers.protocol is the other 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -22,10 +23,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pipeline.constants import (
     ENV_GPTQMODEL,
@@ -40,11 +41,9 @@ from pipeline.constants import (
     STEP_LIMITS_S,
 )
 from pipeline.errors import DiskFullError, EngineError
-from pipeline.workers.protocol import UsageSampler, dying_with_parent, last_error_line
+from pipeline.workers.protocol import ROOT_CAUSE_ABOVE, UsageSampler, dying_with_parent, last_error_line
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-# vLLM's words when its engine core process failed to start: the cause is in the step's output
-ROOT_CAUSE_ABOVE = "See root cause above."
 # Where a step writes (request keys). A step that fails while one of these lies on a filesystem with
 # less than FULL_BELOW_BYTES free ran out of disk, whatever the tool said about it: llama-quantize
 # says "basic_ios::clear: iostream error", numpy "884736 requested and 476224 written".
@@ -148,6 +147,56 @@ class StepUsage:
     others_cpu_share: float | None = None  # UsageSampler.others_cpu_share: the host's contention
 
 
+# Steps that hold a serving engine for their whole run (its offline engine, or its server).
+ENGINE_OPS = frozenset({"validate", "serve_check", "benchmark"})
+
+
+def gpu_engine_lock_path() -> Path | None:
+    """The lock that engine steps on this host's GPUs take, so that engines of concurrent builds
+    (two build streams, the GPU tests beside a build) run one at a time; None without a GPU.
+
+    vLLM and SGLang size their memory as a share of the whole GPU, counting what other processes
+    hold, and vLLM's profiler fails when another process frees memory meanwhile: both ways a
+    second engine on the same GPU failed on the H200 (2026-12-04). PIPELINE_GPU_ENGINE_LOCK names
+    the file (one per GPU on a host whose builds each see their own CUDA_VISIBLE_DEVICES)."""
+    if os.environ.get("PIPELINE_GPU_ENGINE_LOCK"):
+        return Path(os.environ["PIPELINE_GPU_ENGINE_LOCK"])
+    if shutil.which("nvidia-smi") is None:
+        return None
+    cache = Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "_") or "none"
+    return cache / "locks" / f"gpu-engines-{devices}.lock"
+
+
+@contextlib.contextmanager
+def engine_lock(op: str, log: IO[bytes]) -> Iterator[None]:
+    """Hold the GPU engine lock for an engine step (ENGINE_OPS) on a GPU host; else nothing.
+    Waiting is written to the step's log; the step's time limit starts once the lock is held."""
+    path = gpu_engine_lock_path() if op in ENGINE_OPS else None
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another step"
+            log.write(f"waiting for the GPU engine lock {path} (held by {holder})\n".encode())
+            log.flush()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()} op={op}")
+        lock.flush()
+        try:
+            yield
+        finally:
+            lock.truncate(0)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def run_step(
     env: str,
     request: dict[str, Any],
@@ -177,44 +226,45 @@ def run_step(
         with open(log_path, "ab") as log:
             log.write(f"\n=== {module} op={op} env={env} python={python}\n".encode())
             log.flush()
-            step_start = log.tell()
-            try:
-                proc = subprocess.Popen(
-                    dying_with_parent([python, "-m", module, str(req), str(res)], python),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=child_env,
-                    start_new_session=True,  # its own process group, killed as one
-                )
-            except OSError as exc:
-                raise EngineError(
-                    f"environment {env!r}: cannot start {python}: {exc.strerror}. "
-                    f"To resolve, run scripts/setup.sh or set PIPELINE_{env.upper()}_PYTHON"
-                ) from None
-            t0 = time.perf_counter()
-            sampler = UsageSampler(proc.pid)
-            try:
-                with sampler:
-                    proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                raise EngineError(
-                    f"{module} {op}: timed out after {timeout_s:.0f}s, the step's limit (a recipe "
-                    f"sets it with step_limits_s: {{{op}: SECONDS}}) (log: {log_path})"
-                ) from None
-            except BaseException:
-                _kill_group(proc)
-                raise
-            finally:
-                if on_usage is not None:
-                    on_usage(
-                        StepUsage(
-                            env, op, log_path.stem, round(time.perf_counter() - t0, 2),
-                            round(sampler.peak_rss / 2**20, 1), sampler.peak_gpu_mib,
-                            sampler.others_cpu_share(),
-                        )
-                    )  # fmt: skip
-            _kill_group(proc)  # whatever the step left running (a server it started)
+            with engine_lock(op, log):  # a GPU host: one engine at a time
+                step_start = log.tell()
+                try:
+                    proc = subprocess.Popen(
+                        dying_with_parent([python, "-m", module, str(req), str(res)], python),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=child_env,
+                        start_new_session=True,  # its own process group, killed as one
+                    )
+                except OSError as exc:
+                    raise EngineError(
+                        f"environment {env!r}: cannot start {python}: {exc.strerror}. "
+                        f"To resolve, run scripts/setup.sh or set PIPELINE_{env.upper()}_PYTHON"
+                    ) from None
+                t0 = time.perf_counter()
+                sampler = UsageSampler(proc.pid)
+                try:
+                    with sampler:
+                        proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    _kill_group(proc)
+                    raise EngineError(
+                        f"{module} {op}: timed out after {timeout_s:.0f}s, the step's limit (a recipe "
+                        f"sets it with step_limits_s: {{{op}: SECONDS}}) (log: {log_path})"
+                    ) from None
+                except BaseException:
+                    _kill_group(proc)
+                    raise
+                finally:
+                    if on_usage is not None:
+                        on_usage(
+                            StepUsage(
+                                env, op, log_path.stem, round(time.perf_counter() - t0, 2),
+                                round(sampler.peak_rss / 2**20, 1), sampler.peak_gpu_mib,
+                                sampler.others_cpu_share(),
+                            )
+                        )  # fmt: skip
+                _kill_group(proc)  # whatever the step left running (a server it started)
         result = json.loads(res.read_text()) if res.is_file() and res.stat().st_size else None
     full = None if result is not None and "error" not in result else _full_disk(request)
     if full is not None:

@@ -78,6 +78,21 @@ def test_a_server_that_stops_is_reported_by_its_error_line() -> None:
     )
     assert last_error_line(uvicorn).endswith("address already in use")
     assert last_error_line("starting\nkilled\n") == "killed" and last_error_line("") == "no output"
+    # a serve check's vLLM server on the H200 (2026-12-04): the front end's last line only points
+    # at the engine core's cause, which the verdict must name
+    core = (
+        "(EngineCore pid=18495) ERROR 12-04 02:21:27 [core.py:1330] AssertionError: Error in memory "
+        "profiling. Initial free memory 116.88 GiB, current free memory 130.1 GiB.\n"
+        "(EngineCore pid=18495) AssertionError: Error in memory profiling. Initial free memory 116.88 GiB, "
+        "current free memory 130.1 GiB.\n"
+        "(APIServer pid=18144)     raise RuntimeError(\n"
+        "(APIServer pid=18144) RuntimeError: Engine core initialization failed. See root cause above. "
+        "Failed core proc(s): {}\n"
+    )
+    assert last_error_line(core) == (
+        "RuntimeError: Engine core initialization failed. AssertionError: Error in memory profiling. "
+        "Initial free memory 116.88 GiB, current free memory 130.1 GiB."
+    )
 
 
 def test_a_served_answer_may_leave_the_offline_one_only_at_a_near_tie() -> None:

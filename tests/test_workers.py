@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shlex
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -359,3 +362,41 @@ def test_numpys_short_write_is_a_full_disk() -> None:
 
     assert is_disk_full(OSError("884736 requested and 476224 written"))
     assert not is_disk_full(OSError("[Errno 13] Permission denied: 'x'"))
+
+
+def test_engine_steps_on_a_gpu_host_wait_for_each_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two engines on one GPU failed on the H200 (2026-12-04: SGLang's static share counted a
+    7B vLLM engine's memory; vLLM's profiler saw another engine free memory): an engine step waits
+    for the host's GPU engine lock, says so in its log, and its time limit starts once it holds it;
+    a quantize step does not wait."""
+    lock_path = tmp_path / "gpu-engines.lock"
+    monkeypatch.setenv("PIPELINE_GPU_ENGINE_LOCK", str(lock_path))
+    started = tmp_path / "started"
+    body = f"date +%s.%N > {started}; for arg; do res=$arg; done; printf '{{}}' > \"$res\""
+    monkeypatch.setenv("PIPELINE_VLLM_PYTHON", _script(tmp_path / "py", body))
+    with open(lock_path, "a+") as holder:  # another build's engine holds the GPU
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        holder.write("pid 1 op=serve_check")
+        holder.flush()
+        released = []
+
+        def release() -> None:
+            released.append(time.time())
+            fcntl.flock(holder, fcntl.LOCK_UN)
+
+        run_step("vllm", {"op": "quantize"}, tmp_path / "q.log")  # not an engine step: no wait
+        assert not released and "waiting" not in (tmp_path / "q.log").read_text()
+        timer = threading.Timer(1.5, release)
+        timer.start()
+        usage: list[StepUsage] = []
+        run_step("vllm", {"op": "validate"}, tmp_path / "v.log", timeout_s=1.0, on_usage=usage.append)
+        timer.join()
+    assert float(started.read_text()) >= released[0]  # it started only after the release
+    assert (
+        f"waiting for the GPU engine lock {lock_path} (held by pid 1 op=serve_check)"
+        in (tmp_path / "v.log").read_text()
+    )
+    assert usage[0].seconds < 1.0  # the 1 s limit did not count the wait
+    assert lock_path.read_text() == ""  # released, naming nobody

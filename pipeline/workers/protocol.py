@@ -192,9 +192,14 @@ class UsageSampler:
         return self.peaks()[1]
 
 
+ROOT_CAUSE_ABOVE = "See root cause above."  # vLLM's front end, when its engine core process failed
+
+
 def last_error_line(output: str) -> str:
     """The line of a server's output that says why it stopped: the last `...Error: ...` (or
-    uvicorn's `ERROR:`) line, else the last non-empty one."""
+    uvicorn's `ERROR:`) line, else the last non-empty one. Where that line only points at a root
+    cause printed before it (vLLM's "Engine core initialization failed. See root cause above."),
+    its head is joined with the last error line before it that is not such a pointer."""
     prefix = re.compile(r"^(\x1b\[[0-9;]*m)*(\(\S+ pid=\d+\)\s*)?")  # colour codes, "(APIServer pid=N) "
     lines = [prefix.sub("", ln).strip() for ln in output.splitlines()]
     lines = [ln for ln in lines if ln]
@@ -203,7 +208,11 @@ def last_error_line(output: str) -> str:
         for ln in lines
         if ln.startswith("ERROR:") or re.match(r"^[\w.]*(Error|Exception)\b", ln.split("] ")[-1])
     ]
-    return (errors or lines or ["no output"])[-1][:400]
+    line = (errors or lines or ["no output"])[-1]
+    causes = [ln for ln in errors if ROOT_CAUSE_ABOVE not in ln]
+    if ROOT_CAUSE_ABOVE in line and causes:
+        line = f"{line.split(ROOT_CAUSE_ABOVE)[0].strip()} {causes[-1]}"
+    return line[:400]
 
 
 def worker_main(ops: dict[str, Op]) -> None:

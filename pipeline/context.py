@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from pipeline.artifacts import Layout, cached_step, read_key
 from pipeline.constants import ENV_TRANSFORMERS
-from pipeline.environments import StepUsage, run_step
+from pipeline.environments import StepUsage, check_step_request, run_step
 from pipeline.hashing import file_sha256, json_sha256
 from pipeline.source import ResolvedSource
 from pipeline.spec import CalibrationOverride, LoadedRecipe
@@ -63,6 +63,7 @@ class BuildContext:
         """Run one op of env's worker (pipeline.environments.run_step), logging to `<log>.log`;
         what it cost is appended to `steps`. The recipe's `step_limits_s` for the op beats
         `timeout_s`, which beats the op's default limit."""
+        check_step_request(env, request)  # a misspelt or missing key fails here, naming it
         limit = self.loaded.recipe.step_limits_s.get(request.get("op", ""), timeout_s)
         return run_step(env, request, self.log_path(log), limit, on_usage=self.steps.append)
 

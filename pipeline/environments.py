@@ -42,6 +42,7 @@ from pipeline.constants import (
 )
 from pipeline.errors import DiskFullError, EngineError
 from pipeline.workers.protocol import ROOT_CAUSE_ABOVE, UsageSampler, dying_with_parent, last_error_line
+from pipeline.workers.requests import check_request
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Where a step writes (request keys). A step that fails while one of these lies on a filesystem with
@@ -145,6 +146,15 @@ class StepUsage:
     peak_rss_mib: float
     peak_gpu_mib: float | None
     others_cpu_share: float | None = None  # UsageSampler.others_cpu_share: the host's contention
+
+
+def check_step_request(env: str, request: dict[str, Any]) -> None:
+    """A one-line EngineError naming every field of `request` that env's worker does not take for
+    its op, or lacks (pipeline.workers.requests: the worker checks it again on arrival)."""
+    try:
+        check_request(environment(env).worker, request)
+    except ValueError as exc:
+        raise EngineError(f"{exc} (a defect of the pipeline: please report it)") from None
 
 
 # Steps that hold a serving engine for their whole run (its offline engine, or its server).

@@ -16,7 +16,7 @@ from pipeline.constants import (
     PICKLE_WEIGHT_SUFFIXES,
     SAFE_WEIGHT_SUFFIXES,
 )
-from pipeline.environments import run_step
+from pipeline.environments import check_step_request, run_step
 from pipeline.errors import SourceError
 from pipeline.hashing import dir_sha256, file_sha256, json_sha256
 from pipeline.spec import LoadedRecipe, SourceSpec
@@ -145,6 +145,7 @@ def _materialise_smollm2(log_path: Path) -> tuple[Path, dict[str, Any]]:
 
     def materialise(tmp: Path) -> None:
         request = {"op": "materialise_gguf", "gguf_path": str(gguf), "out_dir": str(tmp)}
+        check_step_request(ENV_TRANSFORMERS, request)
         result = run_step(ENV_TRANSFORMERS, request, log_path)  # the op's default time limit
         (tmp / ".pipeline-source.json").write_text(json.dumps({**info, **result}, indent=2))
 

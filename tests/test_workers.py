@@ -216,6 +216,14 @@ def _dies_within(pid: int, name: str, seconds: float) -> bool:
         time.sleep(0.05)
 
 
+def _serve_check_request(tmp_path: Path, port: int) -> dict:
+    return {
+        "op": "serve_check", "model_dir": str(tmp_path), "argv": ["python", "-m", "x"], "port": port,
+        "prompt_ids": [1], "max_tokens": 1, "expected_text": "", "expected_ids": [2],
+        "expected_top": [], "server_log": str(tmp_path / "server.log"), "ready_timeout_s": 5,
+    }  # fmt: skip
+
+
 def test_serve_check_refuses_a_port_in_use(tmp_path: Path) -> None:
     import socket
 
@@ -224,7 +232,7 @@ def test_serve_check_refuses_a_port_in_use(tmp_path: Path) -> None:
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(EngineError, match=f"port {port} on 127.0.0.1 is already in use"):
-            run_step("vllm", {"op": "serve_check", "port": port}, tmp_path / "log")
+            run_step("vllm", _serve_check_request(tmp_path, port), tmp_path / "log")
 
 
 def test_step_usage_is_recorded_for_a_step_and_a_failed_one(tmp_path: Path) -> None:

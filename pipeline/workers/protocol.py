@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipeline.workers.requests import check_request
+
 Op = Callable[[dict[str, Any]], dict[str, Any]]
 LOCK_STAMP = ".pipeline-lock"  # in a venv's root: "envs/<name>.lock sha256:<hex>" (scripts/setup.sh)
 
@@ -223,6 +225,8 @@ def worker_main(ops: dict[str, Op]) -> None:
     try:
         if op not in ops:
             raise ValueError(f"unknown op {op!r} (known: {', '.join(ops)})")
+        main = sys.modules["__main__"]
+        check_request(getattr(main.__spec__, "name", "") if main.__spec__ else "", request)
         result = ops[op](request)
         lock = environment_lock()
         if lock and isinstance(result.get("toolchain"), dict):

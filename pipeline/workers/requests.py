@@ -1,0 +1,245 @@
+"""The requests the core sends to the step workers: one model per worker op, shared by both sides.
+
+The core checks a request before it starts the step (`pipeline.context.BuildContext.step`, the
+source's materialising step) and the worker checks it again on arrival (`protocol.worker_main`), so
+a misspelt or missing key fails at once, naming it, instead of as a KeyError deep in a tool's
+environment or as a knob silently ignored. Both sides keep sending and reading the same JSON dict:
+the check changes no byte of what a step receives.
+
+Only pydantic is imported here: every tool environment has it (the GPU kit carries it in `core`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class Request(BaseModel):
+    """A worker request: `op` plus the op's own fields, no others."""
+
+    model_config = ConfigDict(extra="forbid")
+    op: str
+
+
+class Toolchain(Request):
+    pass
+
+
+class Calibration(Request):
+    """The calibration fields of a quantizer's request (`BuildContext.calibration_request`); no
+    text (an FP16 engine) calibrates nothing."""
+
+    text_path: str | None
+    samples: int
+    seq_len: int
+    seed: int
+
+
+class Quantize(Calibration):
+    """llm-compressor's and GPTQModel's AWQ/GPTQ (`Int4Target.quantize_request`)."""
+
+    method: str
+    model_dir: str
+    out_dir: str
+    trust_remote_code: bool
+    bits: int
+    group_size: int
+    symmetric: bool
+    ignore: list[str]
+    dtype: str
+    n_grid: int | None = None  # AWQ
+    act_order: str | bool | None = None  # GPTQ
+    dampening_frac: float | None = None  # GPTQ
+
+
+class ModeloptCheckpoint(Calibration):
+    format: str
+    model_dir: str
+    out_dir: str
+    trust_remote_code: bool
+    quant: str
+    dtype: str
+    tp_size: int
+    kv_cache_dtype: str
+    smoothquant_alpha: float
+    group_size: int | None
+
+
+class Scored(Request):
+    """What every engine's validation scores against: the reference and the smoke length."""
+
+    reference: dict[str, Any]
+    reference_dir: str
+    max_new_tokens: int
+
+
+class VllmValidate(Scored):
+    model_dir: str
+    dtype: str
+    gpu_memory_utilization: float
+
+
+class SglangValidate(Scored):
+    model_dir: str
+    quantization: str | None
+    dtype: str
+    mem_fraction_static: float
+    attention_backend: str | None
+
+
+class TrtllmValidate(Scored):
+    engine_dir: str
+    tokenizer_dir: str
+    eos_token_id: int
+
+
+class TrtllmBuild(Request):
+    argv: list[str]
+    output_dir: str
+
+
+class ServeCheck(Request):
+    """The deploy command served once (`pipeline.engines.serving.serve_check`)."""
+
+    model_dir: str
+    argv: list[str]
+    port: int
+    prompt_ids: list[int]
+    max_tokens: int
+    expected_text: str
+    expected_ids: list[int]
+    expected_top: list[Any]
+    server_log: str | None = None
+    ready_timeout_s: float
+
+
+class Benchmark(Request):
+    """The serving benchmark (`pipeline.serving`): the server's argv and GuideLLM's workload."""
+
+    argv: list[str]
+    python: str
+    server_env: dict[str, str] = {}
+    model_dir: str
+    tokenizer: str
+    workload: dict[str, Any]
+    server_log: str
+    ready_timeout_s: float
+    port: int
+
+
+class Reference(Request):
+    model_dir: str
+    trust_remote_code: bool
+    eval_text_path: str
+    eval_tokens: int
+    ctx: int
+    prompts: list[str]
+    max_new_tokens: int
+    chat: bool
+    out_dir: str
+
+
+class Imatrix(Request):
+    """An importance matrix: llama-imatrix on the F16 GGUF (`base_path`), or the transformers
+    hooks on the source (`model_dir` and the GGUF's tensor names)."""
+
+    text_path: str
+    samples: int
+    seq_len: int
+    seed: int
+    out_path: str
+    base_path: str | None = None
+    threads: int | None = None
+    model_dir: str | None = None
+    trust_remote_code: bool | None = None
+    gguf_arch: str | None = None
+    gguf_tensors: dict[str, int] | None = None
+
+
+class MaterialiseGguf(Request):
+    gguf_path: str
+    out_dir: str
+
+
+class Placement(Request):
+    model_dir: str
+
+
+class Convert(Request):
+    model_dir: str
+    out_path: str
+    outtype: str
+
+
+class GgufQuantize(Request):
+    in_path: str
+    out_path: str
+    quant: str
+    threads: int | None = None
+    imatrix_path: str | None = None
+
+
+class Inspect(Request):
+    path: str
+
+
+class LlamacppValidate(Scored):
+    gguf_path: str
+    eval_text_path: str
+    threads: int | None = None
+
+
+class KldBase(Request):
+    gguf_path: str
+    text_path: str
+    ctx: int
+    chunks: int
+    threads: int | None = None
+    out_path: str
+
+
+class Kld(Request):
+    gguf_path: str
+    kld_base_path: str
+    ctx: int
+    threads: int | None = None
+
+
+WORKERS = "pipeline.workers."
+# worker module -> op -> its request model (the ops each worker's worker_main dispatches)
+REQUESTS: dict[str, dict[str, type[Request]]] = {
+    WORKERS + "llamacpp": {
+        "toolchain": Toolchain, "convert": Convert, "quantize": GgufQuantize, "inspect": Inspect,
+        "validate": LlamacppValidate, "imatrix": Imatrix, "kld_base": KldBase, "kld": Kld,
+    },
+    WORKERS + "reference": {
+        "toolchain": Toolchain, "reference": Reference, "imatrix": Imatrix,
+        "materialise_gguf": MaterialiseGguf, "placement": Placement,
+    },
+    WORKERS + "llmcompressor": {"toolchain": Toolchain, "quantize": Quantize},
+    WORKERS + "gptqmodel": {"toolchain": Toolchain, "quantize": Quantize},
+    WORKERS + "modelopt": {"toolchain": Toolchain, "checkpoint": ModeloptCheckpoint},
+    WORKERS + "vllm": {"toolchain": Toolchain, "validate": VllmValidate, "serve_check": ServeCheck},
+    WORKERS + "sglang": {"toolchain": Toolchain, "validate": SglangValidate, "serve_check": ServeCheck},
+    WORKERS + "trtllm": {"toolchain": Toolchain, "build": TrtllmBuild, "validate": TrtllmValidate},
+    WORKERS + "loadgen": {"toolchain": Toolchain, "benchmark": Benchmark},
+}  # fmt: skip
+
+
+def check_request(worker: str, request: dict[str, Any]) -> None:
+    """Raise ValueError in one line naming every bad field of `request` for `worker`'s op (a
+    worker or op without a model here is not checked)."""
+    model = REQUESTS.get(worker, {}).get(str(request.get("op")))
+    if model is None:
+        return
+    try:
+        model.model_validate(request)
+    except ValidationError as exc:
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc']) or '(request)'}: "
+            + ("not a field of this op" if e["type"] == "extra_forbidden" else e["msg"].lower())
+            for e in exc.errors()
+        ]
+        raise ValueError(f"{worker} {request.get('op')} request: {'; '.join(problems)}") from None

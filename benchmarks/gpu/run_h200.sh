@@ -19,8 +19,10 @@
 #                                           (TESTS_FIRST=1: the tests alone first, then the
 #                                           streams)
 #   benchmarks/gpu/run_h200.sh collect      what `start` has so far (logs, results) into
-#                                           $OUT/collect.tgz, ~/.triton and ~/.cache JIT dirs into $OUT/triton-cache.tgz
-#                                           (keep it as .whl/triton-cache.tgz: carry.sh carries it)
+#                                           $OUT/collect.tgz, ~/.triton and ~/.cache JIT dirs into
+#                                           $OUT/triton-cache.tgz.part-N (15 MiB each: at most 6 of
+#                                           the 8 files a call brings back; keep them under .whl/:
+#                                           carry.sh carries and joins them)
 # Artifacts and the accumulated results stay in /tmp/pipeline-work (outside the checkout, which each
 # call lays afresh). Each mode stops itself after LIMIT_S seconds (default 540) so that what it
 # measured still reaches $OUT inside the device's 600 s per call.
@@ -53,7 +55,7 @@ case "${1:-}" in
     OUT=$BG/tests LIMIT_S=7200 benchmarks/gpu/run_h200.sh tests >"$BG/tests.log" 2>&1 </dev/null
     streams "$@"; wait; exit 0
     ;;
-  collect)  # two files back ($OUT takes at most 8): collect.tgz and the Triton cache
+  collect)  # collect.tgz and the JIT caches in parts ($OUT takes at most 8 files of 16 MiB)
     mkdir -p "$OUT" && c=/tmp/pipeline-collect && rm -rf "$c" && mkdir -p "$c"
     cp "$BG/build.log" "$BG/build2.log" "$BG/tests.log" "$c/" 2>/dev/null
     # the results so far (bench_gpu.py rewrites them after every step), the streams' own logs
@@ -66,8 +68,11 @@ case "${1:-}" in
     # 2026-12-03 with it carried, and it did not grow): the JIT caches under ~/.cache come too
     caches=$(cd "$HOME" && ls -d .triton .cache/flashinfer .cache/sglang .cache/tvm-ffi .cache/torch_extensions 2>/dev/null)
     (cd "$HOME" && du -sh $caches 2>/dev/null)
+    # in parts of 15 MiB: a file over 16 MiB does not come back (2026-12-04: ~55 MiB unpacked, with
+    # ~/.cache/tvm-ffi grown from 4.6 to 27 MiB during SGLang's first validation: left out whole)
     # shellcheck disable=SC2086  # one word per cache directory
-    tar -C "$HOME" -czf "$OUT/triton-cache.tgz" $caches 2>/dev/null
+    tar -C "$HOME" -czf - $caches 2>/dev/null | split -b 15m -d -a 1 - "$OUT/triton-cache.tgz.part-"
+    ls -la "$OUT"/triton-cache.tgz.part-* | awk '{print $5, $9}'
     tail -n 20 "$BG/build.log"; echo ---; tail -n 20 "$BG/build2.log" 2>/dev/null; echo ---; tail -n 12 "$BG/tests.log"
     grep -hE "PASSED|FAILED|SKIPPED|ERROR" "$BG/tests/pytest-gpu.log" 2>/dev/null
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader; exit 0

@@ -19,7 +19,7 @@ from pipeline.environments import ENVIRONMENTS, locked_environments, run_step
 from pipeline.errors import EngineError, PipelineError, RecipeError, RegistryError, ValidationFailed
 from pipeline.manifest import Manifest, read_manifest
 from pipeline.project import Project, TargetResult
-from pipeline.registry import KEEP_VERSIONS, Registry
+from pipeline.registry import KEEP_VERSIONS, Registry, VersionEntry
 from pipeline.report import report_rows, write_html
 from pipeline.selection import OBJECTIVES, Scenario, select
 from pipeline.spec import NAME
@@ -366,24 +366,24 @@ def registry_history(ref: RefArg, as_json: JsonOpt = False) -> None:
     _version_table(_run(lambda: _registry().history(ref)), as_json)
 
 
-def _version_table(entries: list[dict[str, Any]], as_json: bool) -> None:
+def _version_table(entries: list[VersionEntry], as_json: bool) -> None:
     if as_json:
-        _emit(entries, True)
+        _emit([e.model_dump(mode="json") for e in entries], True)
         return
     table = Table(title=f"registry {_registry().path}")
     for col in ("recipe", "target", "version", "engine", "quant", "gpu", "status", "verdicts", "stages"):
         table.add_column(col)
     for e in entries:
         table.add_row(
-            e["recipe"],
-            e["target"],
-            f"{e['version']}{' (current)' if e['current'] else ''}",
-            e["engine"],
-            e["quant"],
-            e["gpu_arch"] or "-",
-            e["status"],
-            " ".join(f"{engine}:{v['status']}" for engine, v in e["engines"].items()),
-            ",".join(e["stages"]),
+            e.recipe,
+            e.target,
+            f"{e.version}{' (current)' if e.current else ''}",
+            e.engine,
+            e.quant,
+            e.gpu_arch or "-",
+            e.status,
+            " ".join(f"{engine}:{v.status}" for engine, v in e.engines.items()),
+            ",".join(e.stages),
         )
     out.print(table)
 

@@ -23,6 +23,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from pipeline.artifacts import (
     Layout,
     build_lock,
@@ -39,7 +41,7 @@ from pipeline.constants import (
 )
 from pipeline.errors import BuildError, RegistryError
 from pipeline.hashing import file_sha256
-from pipeline.manifest import Manifest, read_manifest
+from pipeline.manifest import Manifest, parse_manifest, read_manifest
 from pipeline.workspace import dvc_location, find_workspace, gto_assign
 
 INDEX_NAME = "registry.sqlite"
@@ -79,6 +81,40 @@ class Rebuilt:
 
     targets: int
     lost_stages: list[str]
+
+
+class EngineStatus(BaseModel):
+    """What the index keeps of one serving engine's verdict on a version."""
+
+    status: str
+    engine_version: str | None = None
+
+
+class VersionEntry(BaseModel):
+    """One kept version as the index holds it: what `registry list|history --json` print, and
+    the head of `resolve`'s answer (same keys, same order)."""
+
+    model_config = ConfigDict(frozen=True)
+    recipe: str
+    target: str
+    version: int
+    path: str  # the workspace directory when current (the same bytes), else the version's own
+    kind: str
+    engine: str
+    format: str
+    quant: str
+    gpu_arch: str | None
+    version_path: str
+    current: bool
+    status: str  # the primary engine's verdict
+    manifest_sha256: str
+    registered_at: str | None
+    stages: list[str]
+    engines: dict[str, EngineStatus]
+
+    @property
+    def ref(self) -> str:
+        return f"{self.recipe}/{self.target}"
 
 
 _VERSION_COLUMNS = ("recipe", "target", "version", "path", "kind", "engine", "format", "quant", "gpu_arch")
@@ -189,7 +225,7 @@ class Registry:
 
     # --- reading -------------------------------------------------------------------------------
 
-    def versions(self, include_failed: bool = True) -> list[dict[str, Any]]:
+    def versions(self, include_failed: bool = True) -> list[VersionEntry]:
         """Every kept version with its stages, whether it is current, and each engine's verdict."""
         with self._db() as db:
             rows = db.execute(
@@ -203,38 +239,49 @@ class Registry:
             verdicts = db.execute(
                 "SELECT recipe, target, version, engine, status, engine_version FROM verdicts"
             ).fetchall()
-        engines: dict[tuple[str, str, int], dict[str, dict[str, Any]]] = {}
+        engines: dict[tuple[str, str, int], dict[str, EngineStatus]] = {}
         for recipe, target, number, engine, status, version in verdicts:
-            engines.setdefault((recipe, target, number), {})[engine] = {
-                "status": status,
-                "engine_version": version,
-            }
+            engines.setdefault((recipe, target, number), {})[engine] = EngineStatus(
+                status=status, engine_version=version
+            )
         out = []
         for r in rows:
-            entry = dict(zip(_VERSION_COLUMNS, r[:9], strict=True))
-            entry["version_path"] = entry["path"]
-            entry["current"] = r[12] is not None
-            if entry["current"]:
-                entry["path"] = r[12]  # the workspace directory: the same bytes
-            entry.update(status=r[9], manifest_sha256=r[10], registered_at=r[11])
-            entry["stages"] = sorted(r[13].split(",")) if r[13] else []
-            entry["engines"] = engines.get((entry["recipe"], entry["target"], entry["version"]), {})
-            if include_failed or entry["status"] == STATUS_PASSED:
+            fields = dict(zip(_VERSION_COLUMNS, r[:9], strict=True))
+            entry = VersionEntry(
+                **fields | {"path": r[12] or fields["path"]},  # current: the workspace dir, same bytes
+                version_path=fields["path"],
+                current=r[12] is not None,
+                status=r[9],
+                manifest_sha256=r[10],
+                registered_at=r[11],
+                stages=sorted(r[13].split(",")) if r[13] else [],
+                engines=engines.get((fields["recipe"], fields["target"], fields["version"]), {}),
+            )
+            if include_failed or entry.status == STATUS_PASSED:
                 out.append(entry)
         return out
 
-    def entries(self, include_failed: bool = True) -> list[dict[str, Any]]:
+    def entries(self, include_failed: bool = True) -> list[VersionEntry]:
         """Each target's current version (what `registry list` shows); validated ones (the
         primary engine's verdict `passed`) unless include_failed."""
-        return [e for e in self.versions(include_failed) if e["current"]]
+        return [e for e in self.versions(include_failed) if e.current]
 
-    def history(self, ref: str) -> list[dict[str, Any]]:
+    def history(self, ref: str) -> list[VersionEntry]:
         """Every kept version of RECIPE/TARGET, oldest first."""
         recipe, target = _split(ref)
-        found = [e for e in self.versions() if e["recipe"] == recipe and e["target"] == target]
+        found = [e for e in self.versions() if e.recipe == recipe and e.target == target]
         if not found:
             raise RegistryError(f"no artifact {ref} in the registry (try `pipeline registry list`)")
         return found
+
+    def manifest(self, entry: VersionEntry) -> Manifest:
+        """The manifest registered for `entry`'s version, typed."""
+        with self._db() as db:
+            (text,) = db.execute(
+                "SELECT manifest FROM versions WHERE recipe = ? AND target = ? AND version = ?",
+                (entry.recipe, entry.target, entry.version),
+            ).fetchone()
+        return parse_manifest(text, f"the registered manifest of {entry.ref} version {entry.version}")
 
     def show(self, ref: str, version: int | None = None) -> dict[str, Any]:
         """The manifest of RECIPE/TARGET's current version (or `version`), with its path and number."""
@@ -242,9 +289,9 @@ class Registry:
         with self._db() as db:
             (manifest,) = db.execute(
                 "SELECT manifest FROM versions WHERE recipe = ? AND target = ? AND version = ?",
-                (entry["recipe"], entry["target"], entry["version"]),
+                (entry.recipe, entry.target, entry.version),
             ).fetchone()
-        return {"path": entry["path"], "version": entry["version"], **json.loads(manifest)}
+        return {"path": entry.path, "version": entry.version, **json.loads(manifest)}
 
     def _unanchored(self, directory: Path) -> list[str]:
         """Without the sha256 `resolve` printed, a fetched manifest is only self-consistent: it must
@@ -272,14 +319,14 @@ class Registry:
             "(edited or from another registry); pass --manifest-sha256 (resolve prints it)"
         ]
 
-    def _entry(self, ref: str, version: int | None) -> dict[str, Any]:
+    def _entry(self, ref: str, version: int | None) -> VersionEntry:
         found = self.history(ref)
         if version is None:
-            current = [e for e in found if e["current"]] or found[-1:]
+            current = [e for e in found if e.current] or found[-1:]
             return current[0]
-        match = [e for e in found if e["version"] == version]
+        match = [e for e in found if e.version == version]
         if not match:
-            known = ", ".join(str(e["version"]) for e in found)
+            known = ", ".join(str(e.version) for e in found)
             raise RegistryError(f"{ref} has no version {version} (versions: {known})")
         return match[0]
 
@@ -302,28 +349,26 @@ class Registry:
         same = [
             e
             for e in self.versions()
-            if e["recipe"] == model and engine in e["engines"] and e["quant"].lower() == quant.lower()
+            if e.recipe == model and engine in e.engines and e.quant.lower() == quant.lower()
         ]
         ok = [
             e
             for e in same
-            if (include_failed or e["engines"][engine]["status"] == STATUS_PASSED)
-            and (stage is None or stage in e["stages"])
+            if (include_failed or e.engines[engine].status == STATUS_PASSED)
+            and (stage is None or stage in e.stages)
         ]
-        newest: dict[tuple[str, str], dict[str, Any]] = {}
+        newest: dict[tuple[str, str], VersionEntry] = {}
         for e in ok:  # ascending versions: the last one of each target wins
-            newest[(e["recipe"], e["target"])] = e
+            newest[(e.recipe, e.target)] = e
         candidates = list(newest.values())
-        matches = [e for e in candidates if gpu_arch is None or e["gpu_arch"] in (None, gpu_arch)]
+        matches = [e for e in candidates if gpu_arch is None or e.gpu_arch in (None, gpu_arch)]
         if engine_version is not None:
-            matches = [e for e in matches if e["engines"][engine]["engine_version"] == engine_version]
+            matches = [e for e in matches if e.engines[engine].engine_version == engine_version]
         query = f"model={model} engine={engine} quant={quant} gpu_arch={gpu_arch} stage={stage}" + (
             f" engine_version={engine_version}" if engine_version else ""
         )
         if not matches:
-            others = sorted(
-                {f"{e['gpu_arch']} ({e['recipe']}/{e['target']})" for e in candidates if e["gpu_arch"]}
-            )
+            others = sorted({f"{e.gpu_arch} ({e.recipe}/{e.target})" for e in candidates if e.gpu_arch})
             if gpu_arch and others:
                 raise RegistryError(
                     f"nothing resolves {query}: the matching artifacts were built for "
@@ -331,11 +376,11 @@ class Registry:
                 )
             unvalidated = sorted(
                 {
-                    f"{e['recipe']}/{e['target']} ({engine} {e['engines'][engine]['status']})"
+                    f"{e.recipe}/{e.target} ({engine} {e.engines[engine].status})"
                     for e in same
-                    if e["engines"][engine]["status"] != STATUS_PASSED
-                    and (stage is None or stage in e["stages"])
-                    and e["recipe"] + "/" + e["target"] not in {f"{r}/{t}" for r, t in newest}
+                    if e.engines[engine].status != STATUS_PASSED
+                    and (stage is None or stage in e.stages)
+                    and e.recipe + "/" + e.target not in {f"{r}/{t}" for r, t in newest}
                 }
             )
             hint = (
@@ -347,19 +392,19 @@ class Registry:
                 hint = f" (no version is in stage {stage}: `pipeline registry promote` puts one there)"
             raise RegistryError(f"nothing resolves {query}{hint}")
         if len(matches) > 1:
-            names = ", ".join(f"{m['recipe']}/{m['target']}" for m in matches)
+            names = ", ".join(f"{m.recipe}/{m.target}" for m in matches)
             raise RegistryError(f"{query} is ambiguous: {names}; add --gpu-arch or --stage")
         entry = matches[0]
-        manifest = self.show(f"{entry['recipe']}/{entry['target']}", entry["version"])
+        manifest = self.show(f"{entry.recipe}/{entry.target}", entry.version)
         verdict = manifest["validation"]["engines"][engine]
         # the workspace's coordinates checked now; an older version's, as checked when it was promoted
-        if entry["current"]:
-            coordinates = dvc_location(Path(entry["path"]), entry["recipe"], entry["target"])
+        if entry.current:
+            coordinates = dvc_location(Path(entry.path), entry.recipe, entry.target)
         else:
-            coordinates = self._promoted_coordinates(entry["recipe"], entry["target"], entry["version"])
+            coordinates = self._promoted_coordinates(entry.recipe, entry.target, entry.version)
         return {
-            **entry,
-            "location": "workspace" if entry["current"] else "versions",
+            **entry.model_dump(mode="json"),
+            "location": "workspace" if entry.current else "versions",
             "dvc": coordinates,
             "toolchain": manifest["toolchain"],
             "files": manifest["files"],
@@ -387,13 +432,13 @@ class Registry:
             )
         entry = self._entry(ref, version)
         problems = []
-        for directory in dict.fromkeys([Path(entry["path"]), Path(entry["version_path"])]):
+        for directory in dict.fromkeys([Path(entry.path), Path(entry.version_path)]):
             manifest_path = directory / MANIFEST_NAME
             if not manifest_path.is_file():
                 problems.append(f"{MANIFEST_NAME}: missing in {directory}")
                 continue
-            if file_sha256(manifest_path) != entry["manifest_sha256"]:
-                problems.append(f"{MANIFEST_NAME}: changed since version {entry['version']} was registered")
+            if file_sha256(manifest_path) != entry.manifest_sha256:
+                problems.append(f"{MANIFEST_NAME}: changed since version {entry.version} was registered")
                 continue
             files = read_manifest(directory).files
             problems += [p for p in verify_files(directory, files) if p not in problems]
@@ -411,19 +456,19 @@ class Registry:
         if stage not in STAGES:
             raise RegistryError(f"unknown stage {stage!r} (known: {', '.join(STAGES)})")
         entry = self._entry(ref, version)
-        name = f"{ref} version {entry['version']}"
-        if entry["status"] != STATUS_PASSED:
-            raise RegistryError(f"{name} did not pass validation ({entry['status']}); not promoted")
-        problems = self.verify(ref, version=entry["version"])
+        name = f"{ref} version {entry.version}"
+        if entry.status != STATUS_PASSED:
+            raise RegistryError(f"{name} did not pass validation ({entry.status}); not promoted")
+        problems = self.verify(ref, version=entry.version)
         if problems:
             raise RegistryError(f"{name} fails verification: {'; '.join(problems)}; not promoted")
         recipe, target = _split(ref)
-        sha = entry["manifest_sha256"]
-        in_workspace = find_workspace(Path(entry["path"])) is not None
+        sha = entry.manifest_sha256
+        in_workspace = find_workspace(Path(entry.path)) is not None
         location = None
         if in_workspace and not local:
-            location = dvc_location(Path(entry["path"]), recipe, target) if entry["current"] else None
-            location = location or self._promoted_coordinates(recipe, target, entry["version"])
+            location = dvc_location(Path(entry.path), recipe, target) if entry.current else None
+            location = location or self._promoted_coordinates(recipe, target, entry.version)
             why = (
                 "; ".join(location["missing"])
                 if location
@@ -436,17 +481,17 @@ class Registry:
                 )
         # a GTO tag marks a commit whose lock describes the workspace: the current version only
         tag = (
-            gto_assign(Path(entry["path"]), recipe, target, stage, sha, location)
-            if entry["current"] and in_workspace and not local
+            gto_assign(Path(entry.path), recipe, target, stage, sha, location)
+            if entry.current and in_workspace and not local
             else None
         )
         now = datetime.now(UTC).isoformat(timespec="seconds")
         recorded = {**location, "checked_at": now} if location else None
         _journal_stage(
-            Path(entry["version_path"]).parent,
+            Path(entry.version_path).parent,
             {
                 "stage": stage,
-                "version": entry["version"],
+                "version": entry.version,
                 "manifest_sha256": sha,
                 "promoted_at": now,
                 "dvc": recorded,
@@ -459,7 +504,7 @@ class Registry:
                     recipe,
                     target,
                     stage,
-                    entry["version"],
+                    entry.version,
                     sha,
                     now,
                     json.dumps(recorded) if recorded else None,
@@ -467,7 +512,7 @@ class Registry:
             )
         return {
             "artifact": ref,
-            "version": entry["version"],
+            "version": entry.version,
             "stage": stage,
             "manifest_sha256": sha,
             "gto_tag": tag,
@@ -493,20 +538,20 @@ class Registry:
             raise RegistryError(f"--keep must be at least 1 (got {keep})")
         removed: list[str] = []
         busy: list[str] = []
-        by_target: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        by_target: dict[tuple[str, str], list[VersionEntry]] = {}
         for e in self.versions():
-            by_target.setdefault((e["recipe"], e["target"]), []).append(e)
+            by_target.setdefault((e.recipe, e.target), []).append(e)
         for (recipe, target), found in by_target.items():
-            newest = {e["version"] for e in found[-keep:]}
-            doomed = [e for e in found if not (e["current"] or e["stages"] or e["version"] in newest)]
+            newest = {e.version for e in found[-keep:]}
+            doomed = [e for e in found if not (e.current or e.stages or e.version in newest)]
             if not doomed:
                 continue
             try:
                 with build_lock(Layout(self.root, recipe), target):
                     for e in doomed:
-                        if self._forget(recipe, target, e["version"]):
-                            shutil.rmtree(e["version_path"])  # read-only files, writable dir
-                            removed.append(f"{recipe}/{target} version {e['version']}")
+                        if self._forget(recipe, target, e.version):
+                            shutil.rmtree(e.version_path)  # read-only files, writable dir
+                            removed.append(f"{recipe}/{target} version {e.version}")
             except BuildError:
                 busy.append(f"{recipe}/{target}")
         return {"removed": removed, "skipped_being_built": busy, "keep": keep}

@@ -9,12 +9,13 @@ the engine's validation step (a CPU host) or the weights' size (named as such).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from pipeline.constants import CONTENDED_SHARE, ENGINES, STATUS_PASSED
 from pipeline.errors import RegistryError
-from pipeline.registry import Registry
+from pipeline.manifest import EngineVerdict, Manifest, StepRecord
+from pipeline.registry import Registry, VersionEntry
 
 Objective = Literal["accuracy", "throughput", "latency", "size"]
 OBJECTIVES: tuple[Objective, ...] = ("accuracy", "throughput", "latency", "size")
@@ -53,9 +54,10 @@ class Candidate:
     serve_command: str
     reasons: list[str] = field(default_factory=list)
     excluded: str | None = None
+    steps: list[StepRecord] = field(default_factory=list)  # its build's steps (for memory); not shown
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "steps"}
 
 
 def candidates(registry: Registry, model: str | None) -> list[Candidate]:
@@ -63,38 +65,36 @@ def candidates(registry: Registry, model: str | None) -> list[Candidate]:
     come already excluded, with the verdict's reason."""
     found = []
     for entry in registry.entries(include_failed=True):
-        if model is not None and entry["recipe"] != model:
+        if model is not None and entry.recipe != model:
             continue
-        manifest = registry.show(f"{entry['recipe']}/{entry['target']}", entry["version"])
-        for engine, verdict in manifest["validation"]["engines"].items():
+        manifest = registry.manifest(entry)
+        for engine, verdict in manifest.validation.engines.items():
             candidate = _candidate(entry, manifest, engine, verdict)
-            if verdict["status"] != STATUS_PASSED:
-                why = f": {verdict['reason']}" if verdict.get("reason") else ""
-                candidate.excluded = f"its {engine} verdict is {verdict['status']}{why}"
+            if verdict.status != STATUS_PASSED:
+                why = f": {verdict.reason}" if verdict.reason else ""
+                candidate.excluded = f"its {engine} verdict is {verdict.status}{why}"
             found.append(candidate)
     return found
 
 
-def _candidate(
-    entry: dict[str, Any], manifest: dict[str, Any], engine: str, verdict: dict[str, Any]
-) -> Candidate:
-    metrics = verdict.get("metrics") or {}
-    details = verdict.get("details") or {}
-    device = str(details.get("device") or ("cpu" if manifest["build"].get("gpu_arch") is None else "gpu"))
+def _candidate(entry: VersionEntry, manifest: Manifest, engine: str, verdict: EngineVerdict) -> Candidate:
+    device = str(verdict.details.get("device") or ("cpu" if manifest.build.gpu_arch is None else "gpu"))
+    serving = manifest.serving.get(engine)
     return Candidate(
-        recipe=entry["recipe"],
-        target=entry["target"],
-        version=entry["version"],
+        recipe=entry.recipe,
+        target=entry.target,
+        version=entry.version,
         engine=engine,
-        quant=entry["quant"],
-        gpu_arch=entry["gpu_arch"],
+        quant=entry.quant,
+        gpu_arch=entry.gpu_arch,
         device=device,
-        size_bytes=sum(f["bytes"] for f in manifest["files"]),
-        ppl_delta_pct=metrics.get("ppl_delta_pct"),
+        size_bytes=manifest.size_bytes,
+        ppl_delta_pct=verdict.metrics.ppl_delta_pct if verdict.metrics else None,
         memory_mib=None,
         memory_from="",
-        serving=(manifest.get("serving") or {}).get(engine),
-        serve_command=manifest["serve"]["command"],
+        serving=serving.model_dump(mode="json") if serving else None,
+        serve_command=manifest.serve.command,
+        steps=manifest.build.steps,
     )
 
 
@@ -104,13 +104,13 @@ def _level(c: Candidate, concurrency: int) -> dict[str, Any] | None:
     return (c.serving.get("levels") or {}).get(str(concurrency))
 
 
-def _memory(c: Candidate, manifest_steps: list[dict[str, Any]], env: str | None) -> tuple[float, str]:
+def _memory(c: Candidate, env: str | None) -> tuple[float, str]:
     """Memory the artifact needs to serve, and where the number comes from."""
     levels = (c.serving or {}).get("levels") or {}
     peaks = [lv["peak_rss_mib"] for lv in levels.values() if lv.get("peak_rss_mib")]
     if peaks and c.device.startswith("cpu"):
         return max(peaks), "serving benchmark peak RSS"
-    validate = [s["peak_rss_mib"] for s in manifest_steps if s["op"] == "validate" and s["env"] == env]
+    validate = [s.peak_rss_mib for s in c.steps if s.op == "validate" and s.env == env]
     if validate and c.device.startswith("cpu"):
         return max(validate), "peak RSS of its validation in this engine"
     return c.size_bytes / MIB, "weights' size (a lower bound: no serving memory measured)"
@@ -128,9 +128,8 @@ def select(registry: Registry, scenario: Scenario) -> dict[str, Any]:
         raise RegistryError(f"no validated artifact{scope} in the registry (try `pipeline registry list`)")
     ranked, excluded = [], []
     for c in found:
-        steps = registry.show(f"{c.recipe}/{c.target}", c.version)["build"].get("steps") or []
         env = ENGINES[c.engine].env if c.engine in ENGINES else None
-        c.memory_mib, c.memory_from = _memory(c, steps, env)
+        c.memory_mib, c.memory_from = _memory(c, env)
         c.excluded = c.excluded or _exclusion(c, scenario)
         if c.excluded:
             excluded.append(c)

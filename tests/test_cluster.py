@@ -133,7 +133,7 @@ def test_a_killed_build_task_is_retried_on_another_node_and_the_registry_loses_n
     assert manifest["build"]["node"] != killed and nodes[manifest["build"]["node"]] in ("gguf-a", "gguf-b")
     assert manifest["validation"]["status"] == "passed"
     registry = Registry(_isolated_artifacts)
-    assert [h["version"] for h in registry.history("tiny/gguf-f16")] == [1]  # the dead attempt: nothing
+    assert [h.version for h in registry.history("tiny/gguf-f16")] == [1]  # the dead attempt: nothing
     assert registry.verify("tiny/gguf-f16") == []
     assert "built on" in out and manifest["build"]["node"][:12] in out
     _no_leftovers(_isolated_artifacts / "tiny")

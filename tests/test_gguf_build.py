@@ -287,7 +287,7 @@ def test_a_gate_below_the_measured_value_fails_and_never_displaces_the_passing_v
     assert (hit["version"], hit["location"], hit["status"]) == (1, "workspace", "passed")
     assert registry.verify("tiny/gguf-q4_0") == []
     first, second = registry.history("tiny/gguf-q4_0")
-    assert (first["current"], second["current"], second["status"]) == (True, False, "failed")
+    assert (first.current, second.current, second.status) == (True, False, "failed")
     with pytest.raises(RegistryError, match="version 2 did not pass validation"):
         registry.promote("tiny/gguf-q4_0", "prod", version=2)
     assert registry.promote("tiny/gguf-q4_0", "prod")["version"] == 1

@@ -146,7 +146,7 @@ def test_a_rebuild_never_moves_a_stage_and_the_promoted_bytes_survive(registry: 
     assert registry.verify(str(kept), promoted["manifest_sha256"]) == []
     latest = registry.resolve("m", "llama.cpp", "Q8_0")
     assert (latest["version"], latest["location"], latest["stages"]) == (2, "workspace", [])
-    assert [(h["version"], h["current"], h["stages"]) for h in registry.history("m/gguf-q8_0")] == [
+    assert [(h.version, h.current, h.stages) for h in registry.history("m/gguf-q8_0")] == [
         (1, False, ["prod"]),
         (2, True, []),
     ]
@@ -165,7 +165,7 @@ def test_gc_keeps_current_staged_and_newest_versions(registry: Registry) -> None
             registry.promote("m/gguf-q8_0", "staging")
     result = registry.gc(keep=2)
     assert result["removed"] == ["m/gguf-q8_0 version 1", "m/gguf-q8_0 version 3", "m/gguf-q8_0 version 4"]
-    assert [h["version"] for h in registry.history("m/gguf-q8_0")] == [2, 5, 6]
+    assert [h.version for h in registry.history("m/gguf-q8_0")] == [2, 5, 6]
     assert sorted(p.name for p in (registry.root / "m" / ".versions" / "gguf-q8_0").iterdir()) == [
         "2",
         "5",
@@ -223,7 +223,7 @@ def test_a_kept_version_that_changed_is_caught(registry: Registry) -> None:
 def test_an_index_from_before_versions_asks_for_a_rebuild_and_keeps_its_stages(registry: Registry) -> None:
     import sqlite3
 
-    sha = registry.history("m/gguf-q8_0")[0]["manifest_sha256"]
+    sha = registry.history("m/gguf-q8_0")[0].manifest_sha256
     for suffix in ("", "-wal", "-shm"):
         Path(f"{registry.path}{suffix}").unlink(missing_ok=True)
     old = sqlite3.connect(registry.path)  # schema 1: one row per target, stages by manifest sha256
@@ -356,9 +356,9 @@ def test_parallel_builds_and_promotes_of_one_target_lose_no_version(tmp_path: Pa
     root = tmp_path / "artifacts"
     assert _in_processes(_version_many, root, 4) == [0] * 4
     history = Registry(root).history("shared/gguf-q8_0")
-    assert [h["version"] for h in history] == list(range(1, 21))
-    assert len({h["manifest_sha256"] for h in history}) == 20  # every build its own version
-    assert sum(h["stages"] == ["dev"] for h in history) == 1  # the stage points at exactly one
+    assert [h.version for h in history] == list(range(1, 21))
+    assert len({h.manifest_sha256 for h in history}) == 20  # every build its own version
+    assert sum(h.stages == ["dev"] for h in history) == 1  # the stage points at exactly one
 
 
 def test_bad_reference(registry: Registry) -> None:
@@ -461,8 +461,8 @@ def test_an_engine_resolves_only_where_its_own_verdict_passed(tmp_path: Path) ->
     with pytest.raises(RegistryError, match=r"m/gptq \(sglang failed\)"):
         reg.resolve("m", "sglang", "gptq-w4a16-g64")
     assert reg.resolve("m", "sglang", "gptq-w4a16-g64", include_failed=True)["verdict"]["status"] == "failed"
-    (entry,) = [e for e in reg.entries() if e["target"] == "awq"]
-    assert entry["engines"]["sglang"]["status"] == "skipped"
+    (entry,) = [e for e in reg.entries() if e.target == "awq"]
+    assert entry.engines["sglang"].status == "skipped"
 
 
 def test_a_manifest_that_does_not_match_the_schema_is_a_registry_error(registry: Registry) -> None:

@@ -10,7 +10,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -31,6 +31,7 @@ from pipeline.constants import (
 )
 from pipeline.errors import BuildError, DiskFullError
 from pipeline.hashing import file_sha256
+from pipeline.locks import holding
 from pipeline.manifest import FileEntry, Manifest, read_manifest
 from pipeline.workers.protocol import is_disk_full
 
@@ -102,30 +103,20 @@ class Layout:
         return staging
 
 
-@contextmanager
-def build_lock(layout: Layout, name: str) -> Iterator[None]:
+def build_lock(layout: Layout, name: str) -> AbstractContextManager[None]:
     """Hold an exclusive lock on one target of a recipe while it is built.
 
     A second build of the same target (another `pipeline build`, a parallel `dvc repro`) fails
     at once with the holder's pid (shared steps wait instead: cached_step).
     """
-    path = layout.lock_path(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "unknown"
-            raise BuildError(
-                f"{layout.recipe}/{name} is being built by another process ({holder}); "
-                "wait for it to finish, then build again"
-            ) from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"pid {os.getpid()}")
-        fh.flush()
-        yield
+
+    def refuse(holder: str) -> None:
+        raise BuildError(
+            f"{layout.recipe}/{name} is being built by another process ({holder or 'unknown'}); "
+            "wait for it to finish, then build again"
+        )
+
+    return holding(layout.lock_path(name), f"pid {os.getpid()}", refuse)
 
 
 def publish(staging: Path, final: Path) -> None:

@@ -14,7 +14,6 @@ or a JSON error with a one-line message (pipeline.workers.protocol is the other 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -41,6 +40,7 @@ from pipeline.constants import (
     STEP_LIMITS_S,
 )
 from pipeline.errors import DiskFullError, EngineError
+from pipeline.locks import holding
 from pipeline.workers.protocol import ROOT_CAUSE_ABOVE, UsageSampler, dying_with_parent, last_error_line
 from pipeline.workers.requests import check_request
 
@@ -178,33 +178,18 @@ def gpu_engine_lock_path() -> Path | None:
     return cache / "locks" / f"gpu-engines-{devices}.lock"
 
 
-@contextlib.contextmanager
-def engine_lock(op: str, log: IO[bytes]) -> Iterator[None]:
+def engine_lock(op: str, log: IO[bytes]) -> contextlib.AbstractContextManager[None]:
     """Hold the GPU engine lock for an engine step (ENGINE_OPS) on a GPU host; else nothing.
     Waiting is written to the step's log; the step's time limit starts once the lock is held."""
     path = gpu_engine_lock_path() if op in ENGINE_OPS else None
     if path is None:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "another step"
-            log.write(f"waiting for the GPU engine lock {path} (held by {holder})\n".encode())
-            log.flush()
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"pid {os.getpid()} op={op}")
-        lock.flush()
-        try:
-            yield
-        finally:
-            lock.truncate(0)
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        return contextlib.nullcontext()
+
+    def wait(holder: str) -> None:
+        log.write(f"waiting for the GPU engine lock {path} (held by {holder or 'another step'})\n".encode())
+        log.flush()
+
+    return holding(path, f"pid {os.getpid()} op={op}", wait)
 
 
 def run_step(

@@ -274,24 +274,23 @@ class Registry:
             raise RegistryError(f"no artifact {ref} in the registry (try `pipeline registry list`)")
         return found
 
-    def manifest(self, entry: VersionEntry) -> Manifest:
-        """The manifest registered for `entry`'s version, typed."""
+    def _manifest_text(self, entry: VersionEntry) -> str:
         with self._db() as db:
             (text,) = db.execute(
                 "SELECT manifest FROM versions WHERE recipe = ? AND target = ? AND version = ?",
                 (entry.recipe, entry.target, entry.version),
             ).fetchone()
-        return parse_manifest(text, f"the registered manifest of {entry.ref} version {entry.version}")
+        return text
+
+    def manifest(self, entry: VersionEntry) -> Manifest:
+        """The manifest registered for `entry`'s version, typed."""
+        where = f"the registered manifest of {entry.ref} version {entry.version}"
+        return parse_manifest(self._manifest_text(entry), where)
 
     def show(self, ref: str, version: int | None = None) -> dict[str, Any]:
         """The manifest of RECIPE/TARGET's current version (or `version`), with its path and number."""
         entry = self._entry(ref, version)
-        with self._db() as db:
-            (manifest,) = db.execute(
-                "SELECT manifest FROM versions WHERE recipe = ? AND target = ? AND version = ?",
-                (entry.recipe, entry.target, entry.version),
-            ).fetchone()
-        return {"path": entry.path, "version": entry.version, **json.loads(manifest)}
+        return {"path": entry.path, "version": entry.version, **json.loads(self._manifest_text(entry))}
 
     def _unanchored(self, directory: Path) -> list[str]:
         """Without the sha256 `resolve` printed, a fetched manifest is only self-consistent: it must

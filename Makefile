@@ -17,11 +17,12 @@ check: setup  ## lint + every test that starts no engine or build (tests marked 
 	$(BIN)/ruff check pipeline tests benchmarks
 	$(BIN)/pytest -q -m "not slow" --durations=5
 
-# `make test`: two pytest-xdist workers (the end-to-end module and the Ray tests each keep one
-# worker, in order: `xdist_group`), then the `serial` tests alone (they measure other processes' load).
+# `make test`: two pytest-xdist workers, one test file each at a time (`--dist loadfile`: the
+# end-to-end module's tests build on each other; tests/conftest.py orders the longest files first
+# and --no-loadscope-reorder keeps that order), then the `serial` tests alone (they measure other processes' load).
 test: setup  ## lint + the whole suite (includes a real end-to-end build)
 	$(BIN)/ruff check pipeline tests benchmarks
-	$(BIN)/pytest -q -n 2 --dist loadgroup -m "not serial" --durations=12
+	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" --durations=12
 	$(BIN)/pytest -q -m serial
 
 bench: setup  ## benchmark script: prints numbers

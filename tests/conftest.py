@@ -23,8 +23,16 @@ def _has_gpu() -> bool:
     return bool(smi) and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
 
 
+# The longest test files, longest first (fresh-clone durations, benchmarks/results/): with
+# `make test`'s two workers taking one file at a time, the end-to-end build starts at once.
+LONGEST_FIRST = ("test_smollm2_e2e.py", "test_int4.py", "test_gguf_build.py", "test_cluster.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`gpu` tests need an NVIDIA GPU (and each its engine's environment, which it checks itself)."""
+    """The longest files first (a stable sort: each file's own order stays); `gpu` tests need an
+    NVIDIA GPU (and each its engine's environment, which it checks itself)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU: run `pytest -m gpu` on a GPU host")

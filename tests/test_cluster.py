@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one local Ray cluster at a time
+pytestmark = pytest.mark.slow
 # a GPU host need not have Ray: this module then skips instead of failing `pytest -m gpu`'s collection
 ray = pytest.importorskip("ray", reason="Ray is not installed (pipeline build --cluster needs it)")
 from ray.cluster_utils import Cluster  # noqa: E402

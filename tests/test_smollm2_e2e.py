@@ -25,7 +25,7 @@ from pipeline.constants import MANIFEST_NAME
 from pipeline.targets.gguf import REFERENCE_BASE_PPL_RTOL, SAME_GGUF_PPL_RTOL
 from tests.conftest import REPO, chart_points, llama_servers, read_json, render_in_chromium, serve_and_ask
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e")]  # in order, on one worker
+pytestmark = pytest.mark.slow
 TARGETS = ("gguf-f16", "gguf-q8_0", "gguf-q4_0", "gguf-iq4_xs", "awq", "gptq")
 RECIPE = "recipes/smollm2-135m.yaml"
 BIN = Path(sys.executable).parent

@@ -42,7 +42,6 @@ from pipeline.constants import (
 from pipeline.errors import DiskFullError, EngineError
 from pipeline.locks import holding
 from pipeline.workers.protocol import ROOT_CAUSE_ABOVE, UsageSampler, dying_with_parent, last_error_line
-from pipeline.workers.requests import check_request
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # Where a step writes (request keys). A step that fails while one of these lies on a filesystem with
@@ -151,6 +150,8 @@ class StepUsage:
 def check_step_request(env: str, request: dict[str, Any]) -> None:
     """A one-line EngineError naming every field of `request` that env's worker does not take for
     its op, or lacks (pipeline.workers.requests: the worker checks it again on arrival)."""
+    from pipeline.workers.requests import check_request  # pydantic: this table stays stdlib-only
+
     try:
         check_request(environment(env).worker, request)
     except ValueError as exc:

@@ -11,7 +11,13 @@ import pipeline
 
 ROOT = Path(pipeline.__file__).parent
 # imported inside functions on purpose: pipeline.cluster imports Ray, which only cluster builds need
-LATE_IMPORTS = {("pipeline.cli", "pipeline.cluster")}
+# and the request models (pydantic) from the environment table and the worker protocol, which
+# scripts/setup.sh reads with a bare interpreter before any venv exists
+LATE_IMPORTS = {
+    ("pipeline.cli", "pipeline.cluster"),
+    ("pipeline.environments", "pipeline.workers.requests"),
+    ("pipeline.workers.protocol", "pipeline.workers.requests"),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -87,3 +93,17 @@ def test_the_cycle_check_sees_a_cycle() -> None:
 
 def test_no_late_imports_but_the_optional_tools() -> None:
     assert _late_imports() <= LATE_IMPORTS, sorted(_late_imports() - LATE_IMPORTS)
+
+
+def test_the_environment_table_reads_with_a_bare_interpreter() -> None:
+    """scripts/setup.sh and lock.sh run `python3 -m pipeline.environments locked` before any venv
+    exists: without site-packages (`-S`) it must still print the table."""
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-S", "-m", "pipeline.environments", "locked"],
+        cwd=ROOT.parent, capture_output=True, text=True,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "vllm" in res.stdout.split()

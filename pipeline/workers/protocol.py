@@ -18,8 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.workers.requests import check_request
-
 Op = Callable[[dict[str, Any]], dict[str, Any]]
 LOCK_STAMP = ".pipeline-lock"  # in a venv's root: "envs/<name>.lock sha256:<hex>" (scripts/setup.sh)
 
@@ -225,6 +223,8 @@ def worker_main(ops: dict[str, Op]) -> None:
     try:
         if op not in ops:
             raise ValueError(f"unknown op {op!r} (known: {', '.join(ops)})")
+        from pipeline.workers.requests import check_request  # pydantic: the core imports this module
+
         main = sys.modules["__main__"]
         check_request(getattr(main.__spec__, "name", "") if main.__spec__ else "", request)
         result = ops[op](request)

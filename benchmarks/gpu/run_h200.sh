@@ -9,7 +9,8 @@
 #   benchmarks/gpu/run_h200.sh qwen2-7b T R 7B-shaped random checkpoint, targets T of
 #                                           benchmarks/gpu/qwen2-7b-shape.yaml (T=gguf: the Llama-declared one)
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment;
-#                                           TESTS_K: only the tests a -k expression selects)
+#                                           TESTS_K: only the tests a -k expression selects; TESTS:
+#                                           the node ids to run, in that order, default tests/)
 #   benchmarks/gpu/run_h200.sh start T R [T2 R2]  in the background (setsid, outliving the call):
 #                                           the qwen2-7b mode with targets T and raw steps R, a second
 #                                           build stream with T2/R2 if given (other targets of the same
@@ -18,6 +19,9 @@
 #                                           /tmp/pipeline-bg, results h200-DATE-<stream>.json
 #                                           (TESTS_FIRST=1: the tests alone first, then the
 #                                           streams)
+#   benchmarks/gpu/run_h200.sh wait [S]     until `start`'s runs have ended or S seconds (default 570)
+#                                           have passed, then the tests' results so far and their log
+#                                           in $OUT (polling calls back to back end early when done)
 #   benchmarks/gpu/run_h200.sh collect      what `start` has so far (logs, results) into
 #                                           $OUT/collect.tgz, ~/.triton and ~/.cache JIT dirs into
 #                                           $OUT/triton-cache.tgz.part-N (15 MiB each: at most 6 of
@@ -54,6 +58,15 @@ case "${1:-}" in
   tests-then-streams)  # T R [T2 R2], as start's
     OUT=$BG/tests LIMIT_S=7200 benchmarks/gpu/run_h200.sh tests >"$BG/tests.log" 2>&1 </dev/null
     streams "$@"; wait; exit 0
+    ;;
+  wait)  # a polling call: returns as soon as the background runs have ended
+    end=$((SECONDS + ${2:-570}))
+    while [ $SECONDS -lt "$end" ] && pgrep -f 'run_h200.sh (tests|qwen2-7b)' >/dev/null; do sleep 10; done
+    pgrep -f 'run_h200.sh (tests|qwen2-7b)' >/dev/null && echo "still running" || echo "all ended"
+    mkdir -p "$OUT" && cp "$BG/tests/pytest-gpu.log" "$OUT/" 2>/dev/null
+    grep -hE "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$BG/tests/pytest-gpu.log" 2>/dev/null | tail -n 12
+    tail -n 6 "$BG/build.log" 2>/dev/null
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader; exit 0
     ;;
   collect)  # collect.tgz and the JIT caches in parts ($OUT takes at most 8 files of 16 MiB)
     mkdir -p "$OUT" && c=/tmp/pipeline-collect && rm -rf "$c" && mkdir -p "$c"
@@ -137,7 +150,8 @@ case "${1:-}" in
   tests)
     # TESTS_K: a pytest -k expression (2026-12-03, fourth run: the whole GPU suite alone took over
     # 27 min, the first SGLang start 427 s of it; a session's device time is 30 min)
-    timeout -k 10 "$LIMIT_S" python3 -m pytest -v -rfE -m gpu tests/ --durations=8 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    # shellcheck disable=SC2086  # TESTS: node ids, one word each
+    timeout -k 10 "$LIMIT_S" python3 -m pytest -v -rfE -m gpu ${TESTS:-tests/} --durations=8 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
       | tee "$OUT/pytest-gpu.log" | tail -c 8000
     ;;
   *) echo "usage: $0 warm|smollm2|qwen2-7b|tests" >&2; exit 2 ;;

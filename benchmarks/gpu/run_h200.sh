@@ -127,8 +127,8 @@ done
 [ "${SGLANG:-1}" = 0 ] && unset PIPELINE_SGLANG_PYTHON
 RESULTS=$WORK/h200-$(date -u +%Y-%m-%d)${STREAM:+-$STREAM}.json  # bench_gpu.py adds rows after every step
 bench() { timeout -k 10 "$LIMIT_S" python3 benchmarks/bench_gpu.py "$@"; }
-# A step cut off by a limit outlives this call and would hold the GPU. A call's own mode (not a stream `start` left running: NOCLEAN) ends what earlier calls left and,
-# on its way out, what it started itself.
+# A step cut off by a limit outlives this call and would hold the GPU. A call's own mode (not a
+# stream `start` left running: NOCLEAN) ends what earlier calls left and, on its way out, its own.
 [ -n "${NOCLEAN:-}" ] || { end_marked earlier; trap 'end_marked this' EXIT; }
 
 source_dir() {  # SmolLM2 materialised from the default recipe's package

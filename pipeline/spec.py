@@ -160,9 +160,11 @@ class SglangServe(Strict):
 
 
 class TrtllmServe(Strict):
-    """trtllm-serve knobs (engine shapes are fixed by the engine's profile)."""
+    """trtllm-serve knobs (an engine's shapes are fixed by its profile; `max_seq_len` is for the
+    PyTorch backend's checkpoints, such as ModelOpt INT4-AWQ)."""
 
     kv_cache_free_gpu_memory_fraction: float = Field(0.9, gt=0, le=1)
+    max_seq_len: int = Field(4096, ge=16)
 
 
 class ServeSpec(Strict):

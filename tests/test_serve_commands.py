@@ -59,3 +59,12 @@ def test_every_kind_builds_its_local_command_instead_of_patching_the_recorded_on
         assert len(local) == len(deployed), kind
         changed = [(d, x) for d, x in zip(deployed, local, strict=True) if d != x]
         assert changed == [("0.0.0.0", "127.0.0.1"), ("8000", "5555")], (kind, changed)
+
+
+def test_each_engine_reads_only_its_own_knobs() -> None:
+    """trtllm-serve's --max_seq_len comes from `serve.trtllm`, never from vLLM's knobs."""
+    target = KINDS["modelopt"].model_validate({"kind": "modelopt", "quant": "int4_awq", "gates": FULL_KL})
+    serve = ServeSpec(vllm={"max_model_len": 1024}, trtllm={"max_seq_len": 2048})
+    argv = target.serve_argv(serve)
+    assert argv[0] == "trtllm-serve" and argv[argv.index("--max_seq_len") + 1] == "2048"
+    assert "1024" not in argv

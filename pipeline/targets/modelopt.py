@@ -153,6 +153,6 @@ class ModeloptTarget(Target):
         if self.quant in VLLM_LOADS:
             return vllm.serve_argv(serve, "modelopt", self.dtype)
         argv = ["trtllm-serve", ARTIFACT_DIR, "--backend", "pytorch", "--host", serve.host]
-        argv += ["--port", str(serve.port), "--max_seq_len", str(serve.vllm.max_model_len)]
+        argv += ["--port", str(serve.port), "--max_seq_len", str(serve.trtllm.max_seq_len)]
         argv += ["--kv_cache_free_gpu_memory_fraction", str(serve.trtllm.kv_cache_free_gpu_memory_fraction)]
         return argv

@@ -79,11 +79,12 @@ def local_gpu_arch() -> str | None:
     return "sm" + first.replace(".", "") if first else None
 
 
-def requirements(project: Project, spec: Target) -> dict[str, float]:
-    """What a node must advertise to build `spec`: the environments it builds and validates in, the
-    reference's, the load generator's when the recipe benchmarks, its GPU architecture, a slot."""
+def requirements(project: Project, name: str, spec: Target) -> dict[str, float]:
+    """What a node must advertise to build target `name`: the environments it builds and validates
+    in, the reference's, the load generator's when the recipe benchmarks it, its GPU architecture,
+    a slot."""
     envs = {*spec.environments, *spec.recorded_environments(), ENV_TRANSFORMERS}
-    if project.loaded.recipe.serving_benchmark.enabled:
+    if project.loaded.recipe.serving_benchmark.benchmarks(name):
         envs.add(ENV_GUIDELLM)
     need = {RESOURCE_ENV + env: ENV_SHARE for env in sorted(envs)}
     if (arch := spec.build_gpu_arch()) is not None:
@@ -182,7 +183,7 @@ class ClusterBuild:
             nodes = live_nodes()
             runnable = {}
             for name, spec in specs.items():
-                need = requirements(self.project, spec)
+                need = requirements(self.project, name, spec)
                 if any(n.can_build(need) for n in nodes):
                     runnable[name] = (spec, need)
                 else:

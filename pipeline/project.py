@@ -244,7 +244,7 @@ class Project:
     def target_inputs(self, ctx: BuildContext, name: str, spec: Target) -> TargetInputs:
         """The toolchain, serve command and inputs hash a build of the target would record."""
         toolchain = {env: ctx.versions(env) for env in spec.recorded_environments()}
-        if self.loaded.recipe.serving_benchmark.enabled and environment_exists(ENV_GUIDELLM):
+        if self.loaded.recipe.serving_benchmark.benchmarks(name) and environment_exists(ENV_GUIDELLM):
             toolchain[ENV_GUIDELLM] = ctx.versions(ENV_GUIDELLM)  # the load generator's numbers
         serve_command = spec.serve_command(self.loaded.recipe.serve)
         inputs = inputs_sha256(ctx, name, spec, toolchain, serve_command)
@@ -356,6 +356,9 @@ def inputs_sha256(
     """Everything that decides an artifact's bytes and its validation numbers: the spec, the
     source, the shared recipe sections, the reference's inputs, each environment's versions."""
     r = ctx.loaded.recipe
+    # as recorded before `serving_benchmark.targets` existed: the workload with `enabled`, or None
+    bench = r.serving_benchmark
+    benchmarked = {"enabled": True, **bench.workload()} if bench.benchmarks(name) else None
     return json_sha256(
         {
             "schema": MANIFEST_SCHEMA,
@@ -365,7 +368,7 @@ def inputs_sha256(
             "calibration": r.calibration.model_dump() if r.calibration else None,
             "reference": ctx.reference_inputs(),
             "serve": serve_command,  # carries the recipe's serving knobs this target uses
-            "serving_benchmark": r.serving_benchmark.model_dump() if r.serving_benchmark.enabled else None,
+            "serving_benchmark": benchmarked,
             "toolchain": toolchain,
         }
     )

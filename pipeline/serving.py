@@ -33,7 +33,7 @@ def benchmark(
     where the recipe turns it off or the artifact did not pass."""
     spec = ctx.loaded.recipe.serving_benchmark
     engine = validation.engine
-    if not spec.enabled or validation.status != STATUS_PASSED:
+    if not spec.benchmarks(name) or validation.status != STATUS_PASSED:
         return {}
     if not ENGINES[engine].benchmarked:
         return {engine: ServingResult(status="skipped", reason=f"{engine} has no OpenAI server here")}
@@ -46,7 +46,7 @@ def benchmark(
             )
         }
     tokenizer = artifact if (artifact / "tokenizer.json").is_file() else ctx.source.path
-    workload = spec.model_dump(exclude={"enabled"})
+    workload = spec.workload()
     ctx.reporter.step(name, f"serving benchmark: {engine} at concurrency {spec.concurrency}")
     per_level = spec.max_seconds_per_level + 60  # + a load generator's start
     port = port or free_port()

@@ -205,9 +205,11 @@ class ServingBenchmarkSpec(Strict):
     ```yaml
     serving_benchmark: {enabled: true, prompt_tokens: 64, output_tokens: 32, concurrency: [1, 4]}
     ```
+    `targets: [gguf-q4_0, awq]` benchmarks only those (default: every target of the recipe).
     """
 
     enabled: bool = False
+    targets: list[str] | None = Field(None, min_length=1)
     prompt_tokens: int = Field(64, ge=1, le=131_072)
     output_tokens: int = Field(32, ge=1, le=32_768)
     concurrency: list[int] = Field([1, 4], min_length=1)
@@ -221,6 +223,15 @@ class ServingBenchmarkSpec(Strict):
         if any(c < 1 for c in value) or len(set(value)) != len(value):
             raise ValueError("concurrency levels are distinct positive integers")
         return sorted(value)
+
+    def benchmarks(self, target: str) -> bool:
+        """Whether `target`'s passing artifact gets the benchmark."""
+        return self.enabled and (self.targets is None or target in self.targets)
+
+    def workload(self) -> dict[str, Any]:
+        """What a benchmarked manifest records and its inputs hash reads: the load, not the choice
+        of targets (so benchmarking fewer targets leaves the others' records and hashes alone)."""
+        return self.model_dump(exclude={"enabled", "targets"})
 
 
 class CalibrationOverride(Strict):
@@ -302,6 +313,13 @@ class Recipe(Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return parsed
+
+    @model_validator(mode="after")
+    def _benchmarked_targets_exist(self) -> Recipe:
+        unknown = sorted(set(self.serving_benchmark.targets or ()) - set(self.targets))
+        if unknown:
+            raise ValueError(f"serving_benchmark.targets: {unknown} are not targets of this recipe")
+        return self
 
     @model_validator(mode="after")
     def _calibration_when_needed(self) -> Recipe:

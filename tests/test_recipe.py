@@ -64,6 +64,22 @@ def test_unknown_key(tmp_path: Path) -> None:
     assert "colour: unknown key" in _error(tmp_path, colour="red")
 
 
+def test_the_serving_benchmark_names_only_the_recipes_targets(tmp_path: Path) -> None:
+    bench = {"enabled": True, "targets": ["gguf-f16", "gguf-q9"]}
+    assert "serving_benchmark.targets: ['gguf-q9'] are not targets of this recipe" in _error(
+        tmp_path, serving_benchmark=bench
+    )
+    only_f16 = {**bench, "targets": ["gguf-f16"]}
+    chosen = load_recipe(write_recipe(tmp_path / "r.yaml", serving_benchmark=only_f16))
+    spec = chosen.recipe.serving_benchmark
+    assert spec.benchmarks("gguf-f16") and not spec.benchmarks("gguf-q8_0")
+    assert "targets" not in spec.workload() and "enabled" not in spec.workload()  # what manifests record
+    every = load_recipe(write_recipe(tmp_path / "all.yaml", serving_benchmark={"enabled": True}))
+    assert every.recipe.serving_benchmark.benchmarks("gguf-q8_0")
+    off = load_recipe(write_recipe(tmp_path / "off.yaml", serving_benchmark={"targets": ["gguf-f16"]}))
+    assert not off.recipe.serving_benchmark.benchmarks("gguf-f16")
+
+
 def test_a_serve_host_that_is_not_an_address_or_a_hostname_is_refused(tmp_path: Path) -> None:
     msg = _error(tmp_path, serve={"host": "127.0.0.1; touch /tmp/x/pwned #"})
     assert "serve.host: '127.0.0.1; touch /tmp/x/pwned #' is neither an IP address nor a hostname" in msg

@@ -76,3 +76,26 @@ def test_dvc_parses_both_pipelines() -> None:
     lock = yaml.safe_load((REPO / "dvc.lock").read_text())
     cpu_stages = {n for n in names if not n.startswith("gpu/")}
     assert set(lock["stages"]) == cpu_stages
+
+
+def _lookup(data: dict, dotted: str) -> object:
+    """`targets.gguf-q8_0` -> data["targets"]["gguf-q8_0"] (DVC's params keys)."""
+    for key in dotted.split("."):
+        data = data[key]
+    return data
+
+
+def test_the_committed_lock_is_current_with_the_recipes() -> None:
+    """Every param that the committed dvc.lock recorded is the recipe's value today, so a fresh
+    clone's `dvc status` reports no changed params, and a changed recipe shows up here, not as a
+    surprise rebuild on a newcomer's machine (regenerate with `dvc repro`, then commit dvc.lock)."""
+    lock = yaml.safe_load((REPO / "dvc.lock").read_text())
+    checked = 0
+    for stage, entry in lock["stages"].items():
+        for path, params in entry.get("params", {}).items():
+            recipe = yaml.safe_load((REPO / path).read_text())
+            for key, recorded in params.items():
+                stale = f"dvc.lock {stage}: {path}:{key} is stale (run dvc repro)"
+                assert _lookup(recipe, key) == recorded, stale
+                checked += 1
+    assert checked >= len(lock["stages"])

@@ -301,6 +301,19 @@ def test_push_promote_then_a_deploy_job_fetches_verifies_and_serves(workspace: P
     _run(workspace, "dvc", "remote", "add", "-d", "local", str(remote))
     _run(workspace, "git", "commit", "-q", "-am", "DVC remote")
     _run(workspace, "dvc", "push")
+    # The stages' small records (cache: false outputs) are tracked by git: a clone plus `dvc pull`
+    # has every output, a clean status and metrics with values
+    _run(workspace, "git", "add", "artifacts")
+    _run(workspace, "git", "commit", "-q", "-m", "the stages' records")
+    clone = tmp_path / "clone"
+    _run(tmp_path, "git", "clone", "-q", str(workspace), str(clone))
+    _run(clone, "dvc", "pull", "dvc.yaml")
+    status = _run(clone, "dvc", "status", "dvc.yaml", "--json")
+    assert json.loads(status.stdout) == {}, status.stdout
+    shown = json.loads(_run(clone, "dvc", "metrics", "show", "--json").stdout)
+    files = next(iter(shown.values()))["data"]
+    for t in TARGETS:
+        assert files[f"artifacts/smollm2-135m/.metrics/{t}.json"]["data"]["status"], t
     promoted = json.loads(
         _run(
             workspace,

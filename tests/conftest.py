@@ -28,6 +28,15 @@ def _has_gpu() -> bool:
 LONGEST_FIRST = ("test_smollm2_e2e.py", "test_int4.py", "test_gguf_build.py", "test_cluster.py")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """On a host with several GPUs, `PIPELINE_TEST_GPU_PER_WORKER=1 pytest -m gpu -n N --dist load`
+    gives xdist worker gwK GPU K alone: its engines, quantizers and engine lock (one per
+    CUDA_VISIBLE_DEVICES) never meet another worker's."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and os.environ.get("PIPELINE_TEST_GPU_PER_WORKER") == "1":
+        os.environ["CUDA_VISIBLE_DEVICES"] = worker.removeprefix("gw")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest files first (a stable sort: each file's own order stays); `gpu` tests need an
     NVIDIA GPU (and each its engine's environment, which it checks itself)."""

@@ -8,6 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 KIT = REPO / "benchmarks" / "gpu" / "run_h200.sh"
@@ -49,3 +51,17 @@ def test_the_kit_ends_an_earlier_calls_processes_and_no_others(tmp_path: Path) -
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_each_xdist_worker_takes_its_own_gpu_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_h200.sh tests` on a host with several GPUs: worker gwK sees GPU K alone."""
+    from tests import conftest
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.delenv("PIPELINE_TEST_GPU_PER_WORKER", raising=False)
+    conftest.pytest_configure(None)  # type: ignore[arg-type]  # the hook reads no config
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ  # make test's CPU workers are left alone
+    monkeypatch.setenv("PIPELINE_TEST_GPU_PER_WORKER", "1")
+    conftest.pytest_configure(None)  # type: ignore[arg-type]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"

@@ -172,8 +172,11 @@ case "${1:-}" in
   tests)
     # TESTS_K: a pytest -k expression (2026-12-03, fourth run: the whole GPU suite alone took over
     # 27 min, the first SGLang start 427 s of it; a session's device time is 30 min)
+    # several GPUs (nvidia-h200-x2 and up): one xdist worker per GPU (tests/conftest.py), one run
+    per_gpu=() && gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+    [ "${gpus:-0}" -gt 1 ] && per_gpu=(-n "$gpus" --dist load) && export PIPELINE_TEST_GPU_PER_WORKER=1
     # shellcheck disable=SC2086  # TESTS: node ids, one word each
-    timeout -k 10 "$LIMIT_S" python3 -m pytest -v -rfE -m gpu ${TESTS:-tests/} --durations=8 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    timeout -k 10 "$LIMIT_S" python3 -m pytest -v -rfE -m gpu "${per_gpu[@]}" ${TESTS:-tests/} --durations=8 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
       | tee "$OUT/pytest-gpu.log" | tail -c 8000
     ;;
   *) echo "usage: $0 warm|smollm2|qwen2-7b|tests" >&2; exit 2 ;;

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-TIMINGS = {"tokens_per_s", "prompt_tokens_per_s", "load_s", "seconds", "server_ready_s"}
+TIMINGS = {"tokens_per_s", "prompt_tokens_per_s", "load_s", "seconds", "server_ready_s", "startup_s"}
 
 
 def _manifest(root: Path, recipe: str, target: str) -> dict[str, Any] | None:

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import pipeline
 from pipeline.cli import app
 from pipeline.constants import ENV_SGLANG, ENV_VLLM, MANIFEST_NAME
 from pipeline.engines import sglang, vllm
 from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv, command_line, serve_check
-from pipeline.environments import environment
+from pipeline.environments import environment, run_step
 from pipeline.errors import RegistryError, ValidationFailed
 from pipeline.project import Project, inputs_sha256
 from pipeline.recipe import Gates, ServeSpec
@@ -91,6 +92,27 @@ def test_a_crashed_sglang_verdict_fails_the_build_and_never_resolves(
     else:
         with pytest.raises(RegistryError, match=r"tiny/awq \(vllm skipped\)"):
             registry.resolve("tiny", "vllm", "awq-w4a16-g32")
+
+
+def test_gptqmodel_writes_the_same_bytes_from_the_same_inputs(tiny_llama: Path, tmp_path: Path) -> None:
+    """Two GPTQModel quantizations with one request give byte-identical artifacts: its configs name
+    no fresh temp dir (its disk offload's path) and no per-layer wall times are saved beside the
+    weights (quant_log.csv goes to the step's log)."""
+    request = {
+        "op": "quantize", "method": "gptq", "model_dir": str(tiny_llama), "trust_remote_code": False,
+        "text_path": str(Path(pipeline.__file__).parent / "data" / "gpl-3.0.txt"),
+        "samples": 4, "seq_len": 64, "seed": 0, "bits": 4, "group_size": 32, "symmetric": True,
+        "ignore": ["lm_head"], "dtype": "bfloat16", "act_order": None, "dampening_frac": 0.01,
+    }  # fmt: skip
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        run_step("gptqmodel", {**request, "out_dir": str(out)}, tmp_path / "gptqmodel.log")
+    files = {p.relative_to(outs[0]) for p in outs[0].rglob("*") if p.is_file()}
+    assert files == {p.relative_to(outs[1]) for p in outs[1].rglob("*") if p.is_file()}
+    assert "model.safetensors" in {f.name for f in files} and "quant_log.csv" not in {f.name for f in files}
+    differ = [str(f) for f in sorted(files) if (outs[0] / f).read_bytes() != (outs[1] / f).read_bytes()]
+    assert differ == []
+    assert "tmp" not in (outs[0] / "quantize_config.json").read_text()
 
 
 def test_the_quantizer_environment_is_part_of_the_inputs(

@@ -21,6 +21,7 @@ from pipeline.workers.protocol import installed_versions, worker_main
 # packing C++ extension it would compile on first use is replaced by its pure-torch path.
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count() or 1))
 os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")
+OFFLOAD_DIR = "offload"  # relative to the quantize step's scratch directory
 
 
 def _versions() -> dict[str, str]:
@@ -67,7 +68,13 @@ def _quantize(req: dict[str, Any]) -> dict[str, Any]:
     # The quantized modules GPTQModel builds in memory (it only saves them here) use its portable
     # torch kernels, CPU or GPU: AUTO would pick AWQ GEMM / Marlin on CUDA, which it JIT-compiles
     # with nvcc on first use (minutes on a fresh build server), for a model nobody runs here.
-    common = {"bits": req["bits"], "group_size": req["group_size"], "sym": req["symmetric"]}
+    # Disk offload into the scratch directory (the cwd) under a fixed relative name: GPTQModel
+    # records the path in config.json and quantize_config.json, and its default, a fresh random
+    # temp dir, made two builds of the same inputs differ in those two files.
+    common = {
+        "bits": req["bits"], "group_size": req["group_size"], "sym": req["symmetric"],
+        "offload_to_disk_path": OFFLOAD_DIR,
+    }  # fmt: skip
     if req["method"] == "awq":
         from gptqmodel import AWQConfig
 
@@ -96,6 +103,11 @@ def _quantize(req: dict[str, Any]) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     model.save(str(out))
     tok.save_pretrained(out)
+    # its per-layer loss log carries each layer's wall time: to this step's log, not the artifact
+    quant_log = out / "quant_log.csv"
+    if quant_log.is_file():
+        print(f"--- GPTQModel quant_log.csv\n{quant_log.read_text(errors='replace')}")
+        quant_log.unlink()
     qcfg = json.loads((out / "config.json").read_text()).get("quantization_config") or {}
     if not qcfg:
         raise ValueError("GPTQModel wrote no quantization_config")

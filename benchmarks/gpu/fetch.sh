@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Download the GPU host's tool environments as wheels for Python 3.12 / x86-64 (the H200 image:
 # torch 2.11 + CUDA 13, transformers 5.17; the image's own packages are not listed), one folder
-# per environment, ready for `carry.sh pack DIR`. Run here, in the repository root, after
-# scripts/setup.sh (the core set takes this checkout's llama-cpp-python wheel, gguf-py and converter).
+# per environment, ready for `carry.sh pack DIR`. Run here, in the repository root, once
+# scripts/setup.sh has downloaded the llama-cpp-python sdist (its first minute): the core set takes
+# gguf-py and the converter from it, and the compiled wheel and tools once set-up has built them.
 #
 #   benchmarks/gpu/fetch.sh DIR [ENV ...]     ENV: core vllm llmcompressor gptqmodel modelopt sglang
 #                                             (default: all)
@@ -30,11 +31,24 @@ for env in "${envs[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${PLATFORMS[@]}" -d "$dir" -r "$here/wheels/$env.txt"
   case $env in
-    core)  # this checkout's llama.cpp: the portable runtime wheel, gguf-py and the converter
+    core)  # this checkout's llama.cpp: gguf-py and the converter (the GPU tests need gguf-py to
+      # read SmolLM2's tokenizer) and, once set-up has compiled it, the portable runtime wheel
+      # (GGUF targets on the GPU host); before that, gguf-py and the converter come from the sdist
+      # set-up downloads first, so the device work need not wait for the 10-minute compile
       share=.venv/share/pipeline/llama.cpp
-      cp "$(ls "${PIPELINE_CACHE:-$HOME/.cache/pipeline}"/wheels/llama-cpp-python-*/llama_cpp_python-*.whl | head -n1)" "$dir/"
+      cache=${PIPELINE_CACHE:-$HOME/.cache/pipeline}
+      if [ ! -f "$share/BUILD.json" ]; then
+        sdist=$(ls "$cache"/sdist/llama_cpp_python-*.tar.gz | head -n1)  # scripts/setup.sh's first minute
+        top=$(basename "$sdist" .tar.gz) && share=$(mktemp -d)
+        tar -xzf "$sdist" -C "$share" --strip-components=3 "$top/vendor/llama.cpp/convert_hf_to_gguf.py" \
+          "$top/vendor/llama.cpp/conversion" "$top/vendor/llama.cpp/gguf-py" "$top/vendor/llama.cpp/LICENSE"
+        echo "core: gguf-py and the converter from $sdist (set-up not done: GGUF targets need a fetch after it)"
+      fi
+      wheel=$(ls "$cache"/wheels/llama-cpp-python-*/llama_cpp_python-*.whl 2>/dev/null | head -n1 || true)
+      [ -z "$wheel" ] || cp "$wheel" "$dir/"
       python3 -m pip wheel -q --no-deps -w "$dir" "$share/gguf-py"
       rm -rf "$dir/llama.cpp" && cp -r "$share" "$dir/llama.cpp" && rm -rf "$dir/llama.cpp/gguf-py"
+      [ "$share" = .venv/share/pipeline/llama.cpp ] || rm -rf "$share"
       ;;
     gptqmodel)  # pure-Python sdists -> wheels; pypcre's sdist as it is (built there)
       BUILD_CUDA_EXT=0 python3 -m pip wheel -q --no-deps -w "$dir" "${GPTQMODEL_SDISTS[@]}"

@@ -84,8 +84,9 @@ case "${1:-}" in
     ;;
   wait)  # a polling call: returns as soon as the background runs have ended
     end=$((SECONDS + ${2:-570}))
-    while [ $SECONDS -lt "$end" ] && pgrep -f 'run_h200.sh (tests|qwen2-7b)' >/dev/null; do sleep 10; done
-    pgrep -f 'run_h200.sh (tests|qwen2-7b)' >/dev/null && echo "still running" || echo "all ended"
+    running() { pgrep -f 'run_h200.sh (tests|qwen2-7b)' >/dev/null; }
+    while [ $SECONDS -lt "$end" ] && running; do sleep 10; done
+    running && echo "still running" || echo "all ended"
     mkdir -p "$OUT" && cp "$BG/tests/pytest-gpu.log" "$OUT/" 2>/dev/null
     grep -hE "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$BG/tests/pytest-gpu.log" 2>/dev/null | tail -n 12
     tail -n 6 "$BG/build.log" 2>/dev/null

@@ -34,6 +34,7 @@
 # measured still reaches $OUT inside the device's 600 s per call.
 set -uo pipefail
 BG=/tmp/pipeline-bg
+TESTS_TMP=/tmp/pipeline-pytest  # the GPU tests' --basetemp (collect takes their manifests)
 # Every process this kit starts carries PIPELINE_KIT_RUN (one value per call) in its environment,
 # which workers, engines and their subprocesses inherit. The kit ends its processes by that mark,
 # never by a name pattern: the workers start sessions of their own (for their memory sampling),
@@ -100,6 +101,8 @@ case "${1:-}" in
       /tmp/pipeline-work/*.activations.json "$c/" 2>/dev/null
     (cd /tmp/pipeline-work/artifacts 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' \
       -o -name reference.json -o -name '*.activations.json' | tar -czf "$c/artifacts-bg.tgz" -T - 2>/dev/null)
+    # the GPU tests' manifests and step logs: where their time went (steps, engine starts)
+    (cd "$TESTS_TMP" 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' | tar -czf "$c/tests-artifacts.tgz" -T - 2>/dev/null)
     tar -C "$c" -czf "$OUT/collect.tgz" .
     # for the next host (carry.sh). ~/.triton alone did not shorten SGLang's first start (427 s on
     # 2026-12-03 with it carried, and it did not grow): the JIT caches under ~/.cache come too
@@ -177,7 +180,7 @@ case "${1:-}" in
     per_gpu=() && gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
     [ "${gpus:-0}" -gt 1 ] && per_gpu=(-n "$gpus" --dist load) && export PIPELINE_TEST_GPU_PER_WORKER=1
     # shellcheck disable=SC2086  # TESTS: node ids, one word each
-    timeout -k 10 "$LIMIT_S" python3 -m pytest -v -rfE -m gpu "${per_gpu[@]}" ${TESTS:-tests/} --durations=8 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    timeout -k 10 "$LIMIT_S" python3 -m pytest -v -rfE -m gpu "${per_gpu[@]}" --basetemp="$TESTS_TMP" ${TESTS:-tests/} --durations=8 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
       | tee "$OUT/pytest-gpu.log" | tail -c 8000
     ;;
   *) echo "usage: $0 warm|smollm2|qwen2-7b|tests" >&2; exit 2 ;;

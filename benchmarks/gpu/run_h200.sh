@@ -45,7 +45,7 @@ end_marked() {  # SIGKILL every process marked `this` run's (but this shell) or 
   for d in /proc/[0-9]*; do
     pid=${d#/proc/}
     [ "$pid" = "$$" ] && continue
-    mark=$(tr '\0' '\n' <"$d/environ" 2>/dev/null | sed -n 's/^PIPELINE_KIT_RUN=//p')
+    mark=$(tr '\0' '\n' 2>/dev/null <"$d/environ" | sed -n 's/^PIPELINE_KIT_RUN=//p')
     [ -n "$mark" ] || continue
     if [ "$1" = this ] && [ "$mark" = "$PIPELINE_KIT_RUN" ]; then kill -9 "$pid" 2>/dev/null
     elif [ "$1" = earlier ] && [ "$mark" != "$PIPELINE_KIT_RUN" ]; then kill -9 "$pid" 2>/dev/null
@@ -106,7 +106,7 @@ case "${1:-}" in
     tar -C "$c" -czf "$OUT/collect.tgz" .
     # for the next host (carry.sh). ~/.triton alone did not shorten SGLang's first start (427 s on
     # 2026-12-03 with it carried, and it did not grow): the JIT caches under ~/.cache come too
-    caches=$(cd "$HOME" && ls -d .triton .cache/flashinfer .cache/sglang .cache/tvm-ffi .cache/torch_extensions 2>/dev/null)
+    caches=$(cd "$HOME" && ls -d .triton .cache/flashinfer .cache/sglang .cache/tvm-ffi .cache/torch_extensions .cache/vllm 2>/dev/null)
     (cd "$HOME" && du -sh $caches 2>/dev/null)
     # in parts of 15 MiB: a file over 16 MiB does not come back (2026-12-04: ~55 MiB unpacked, with
     # ~/.cache/tvm-ffi grown from 4.6 to 27 MiB during SGLang's first validation: left out whole)

@@ -22,9 +22,11 @@ from pipeline.errors import RegistryError
 
 @dataclass(frozen=True)
 class Workspace:
-    """A git work tree with DVC initialised (`.dvc/` and `dvc.yaml` at its top)."""
+    """A git work tree with a DVC project in it: at its top (`.dvc/` and `dvc.yaml` there), or in
+    a subdirectory (`dvc init --subdir`: the GPU host's project, `gpu/`)."""
 
-    root: Path
+    root: Path  # the git work tree's top: paths in coordinates, `git show REV:PATH`
+    dvc_root: Path  # the DVC project's directory: where `dvc` runs
 
     def git(self, *args: str) -> str:
         res = subprocess.run(["git", *args], cwd=self.root, capture_output=True, text=True)
@@ -47,9 +49,13 @@ class Workspace:
         return any(b.startswith("origin/") for b in branches.split())
 
     def dvc(self, *args: str) -> subprocess.CompletedProcess[str]:
-        """Run the `dvc` installed beside this interpreter (else on PATH) in the work tree."""
+        """Run the `dvc` installed beside this interpreter (else on PATH) in the DVC project."""
         dvc = shutil.which("dvc", path=str(Path(sys.executable).parent)) or shutil.which("dvc") or "dvc"
-        return subprocess.run([dvc, *args], cwd=self.root, capture_output=True, text=True)
+        return subprocess.run([dvc, *args], cwd=self.dvc_root, capture_output=True, text=True)
+
+    def dvc_path(self, rel: str) -> str:
+        """`rel` (a path from the work tree's top) as the DVC project names it."""
+        return (self.root / rel).relative_to(self.dvc_root).as_posix()
 
     def lock_entry(self, rel: str, rev: str | None = None) -> dict[str, Any] | None:
         """The `outs` entry some dvc.lock records for the output `rel` (a path from the top):
@@ -73,22 +79,25 @@ class Workspace:
             stages = (yaml.safe_load(text) or {}).get("stages") or {}
             for stage in stages.values():
                 for out in stage.get("outs") or []:
-                    # paths in a lock file are relative to its directory (gpu/dvc.lock: ../artifacts/...)
+                    # paths in a lock file are relative to its directory (gpu/dvc.lock: artifacts/... is gpu/artifacts/...)
                     if posixpath.normpath(f"{Path(lock).parent.as_posix()}/{out['path']}") == rel:
                         return out
         return None
 
     def declared_artifacts(self) -> dict[str, dict[str, Any]]:
-        """The `artifacts:` section of dvc.yaml (DVC's own model registry names)."""
-        data = yaml.safe_load((self.root / "dvc.yaml").read_text()) or {}
+        """The `artifacts:` section of the project's dvc.yaml (DVC's own model registry names)."""
+        data = yaml.safe_load((self.dvc_root / "dvc.yaml").read_text()) or {}
         return data.get("artifacts") or {}
 
 
 def find_workspace(path: Path) -> Workspace | None:
-    """The git + DVC workspace containing `path`, if any."""
-    for parent in [path.resolve(), *path.resolve().parents]:
-        if (parent / ".dvc").is_dir() and (parent / "dvc.yaml").is_file() and (parent / ".git").exists():
-            return Workspace(parent)
+    """The git + DVC workspace containing `path`, if any: the nearest DVC project above it, in the
+    git work tree above that."""
+    parents = [path.resolve(), *path.resolve().parents]
+    for i, parent in enumerate(parents):
+        if (parent / ".dvc").is_dir() and (parent / "dvc.yaml").is_file():
+            top = next((p for p in parents[i:] if (p / ".git").exists()), None)
+            return Workspace(top, parent) if top is not None else None
     return None
 
 
@@ -134,7 +143,7 @@ def dvc_location(artifact_dir: Path, recipe: str, target: str) -> dict[str, Any]
     rev = ws.git("rev-parse", "HEAD")
     missing = []
     here = ws.lock_entry(rel)
-    status = ws.dvc("status", rel, "--json")
+    status = ws.dvc("status", ws.dvc_path(rel), "--json")
     if here is None or status.returncode != 0:
         missing.append(f"{rel} is not an output of a DVC stage with a dvc.lock entry (run `dvc repro`)")
     else:
@@ -152,7 +161,7 @@ def dvc_location(artifact_dir: Path, recipe: str, target: str) -> dict[str, Any]
         missing.append(f"commit {rev[:12]} is on no branch of origin ({origin}) (run `git push`)")
     default_remote = ws.dvc("remote", "default")  # exit 1 and "No default remote set" when none
     if not missing and default_remote.returncode == 0 and default_remote.stdout.strip():
-        remote = ws.dvc("status", "-c", rel, "--json")
+        remote = ws.dvc("status", "-c", ws.dvc_path(rel), "--json")
         if remote.returncode != 0 or json.loads(remote.stdout or "{}"):
             missing.append(f"the default DVC remote does not hold {rel} (run `dvc push`)")
     name = artifact_name(recipe, target)

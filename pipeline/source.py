@@ -144,8 +144,7 @@ def _packaged_gguf(name: str) -> tuple[Path, str]:
         pkg_version = "unknown"
     if not packaged.assembled:
         return Path(next(iter(found.submodule_search_locations))) / packaged.gguf, pkg_version
-    out = cache_root() / "packages" / f"{name}-{pkg_version}" / packaged.gguf
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = cache_root() / "packages" / f"{name}-{pkg_version}" / packaged.gguf  # `holding` makes its dir
     try:  # a data-only, stdlib-only package: importing it runs nothing but its own assemble
         assemble = importlib.import_module(packaged.module).assemble
         with holding(out.with_name(f".{out.name}.lock"), f"assembling {name}", lambda _who: None):

@@ -200,8 +200,9 @@ def gto_assign(
     rel = artifact_dir.resolve().relative_to(ws.root).as_posix()
     if name not in ws.declared_artifacts():
         raise RegistryError(
-            f"{name} is not in dvc.yaml's `artifacts:` section. To resolve, add "
-            f"`{name}: {{path: {rel}, type: model}}` there, commit, then promote again"
+            f"{name} is not in {(ws.dvc_root / 'dvc.yaml').relative_to(ws.root)}'s `artifacts:` section. "
+            f"To resolve, add `{name}: {{path: {ws.dvc_path(rel)}, type: model}}` there, commit, then "
+            "promote again"
         )
     location = location or dvc_location(artifact_dir, recipe, target)
     if location is None or not location["lock_committed"]:

@@ -10,6 +10,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -18,6 +19,9 @@ from pipeline.constants import STATUS_UNAVAILABLE
 from pipeline.environments import ENVIRONMENTS, locked_environments, run_step
 from pipeline.errors import EngineError, PipelineError, RecipeError, RegistryError, ValidationFailed
 from pipeline.manifest import Manifest, read_manifest
+from pipeline.preflight import Host, Prediction, engine_versions, unloadable
+from pipeline.preflight import as_json as preflight_json
+from pipeline.preflight import host as preflight_host
 from pipeline.project import Project, TargetResult
 from pipeline.registry import KEEP_VERSIONS, Registry, VersionEntry
 from pipeline.report import report_rows, write_html
@@ -42,7 +46,7 @@ def _run(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except PipelineError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
 
 
@@ -118,18 +122,24 @@ def build(
         if r.plan:
             out.print(f"[bold]{r.target}[/] plan:", highlight=False)
             out.print_json(json.dumps(r.plan))
+    if dry_run:
+        host = preflight_host()
+        _print_preflight(project.preflight(host, names), host)
     errors = [r for r in results if r.outcome == "error"]
     unavailable = [r for r in results if r.outcome == STATUS_UNAVAILABLE]
     for r in unavailable:
-        err.print(f"[yellow]unavailable:[/] {r.target}: {r.message}", highlight=False, soft_wrap=True)
+        err.print(f"[yellow]unavailable:[/] {r.target}: {escape(str(r.message))}",
+                  highlight=False, soft_wrap=True)  # fmt: skip
     failed = [r for r in results if r.failed]
     for r in errors:
-        err.print(f"[bold red]error:[/] {r.target}: {r.message}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {r.target}: {escape(str(r.message))}",
+                  highlight=False, soft_wrap=True)  # fmt: skip
     if errors:
         raise typer.Exit(max(r.exit_code for r in errors))
     if failed:
         for r in failed:
-            err.print(f"[bold red]failed:[/] {r.target}: {r.message}", highlight=False, soft_wrap=True)
+            err.print(f"[bold red]failed:[/] {r.target}: {escape(str(r.message))}",
+                      highlight=False, soft_wrap=True)  # fmt: skip
         err.print(f"[bold red]error:[/] validation failed for {', '.join(r.target for r in failed)}")
         raise typer.Exit(ValidationFailed.exit_code)
     if unavailable and require_all:
@@ -222,7 +232,7 @@ def _summary(results: list[TargetResult]) -> Table:
     for r in results:
         m = r.metrics
         colour = {"passed": "green", "failed": "red"}.get(r.validation or "", "yellow")
-        note = "" if r.outcome == STATUS_UNAVAILABLE else (r.message or "")  # said in full below
+        note = "" if r.outcome == STATUS_UNAVAILABLE else escape(r.message or "")  # said in full below
         verdicts = " ".join(f"{e}:{s}" for e, s in r.engines.items()) if len(r.engines) > 1 else ""
         table.add_row(
             r.target,
@@ -240,13 +250,63 @@ def _summary(results: list[TargetResult]) -> Table:
     return table
 
 
+GpuArchOpt = Annotated[
+    str | None,
+    typer.Option("--gpu-arch", help="Predict for this GPU (sm80, sm89, sm90, ...; default: this host's)."),
+]
+EngineVersionOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--engine-version",
+        help="ENGINE=VERSION to predict for (repeatable; e.g. sglang=0.5.17; default: the project's pins).",
+    ),
+]
+TpSizeOpt = Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel size to predict for.")]
+
+
+def _host(gpu_arch: str | None, engine_version: list[str] | None, tp_size: int) -> Host:
+    try:
+        return preflight_host(gpu_arch, engine_versions(engine_version or []), tp_size)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
+
+
+def _print_preflight(predictions: list[Prediction], host: Host) -> None:
+    out.print(f"preflight ({host.describe()}):", highlight=False)
+    for p in predictions:
+        colour = {"loads": "green", "fails": "red", "unknown": "yellow"}[p.outcome]
+        out.print(f"  [{colour}]{escape(p.line())}[/]", highlight=False, soft_wrap=True)
+
+
 @recipe_app.command("check")
-def recipe_check(recipe: RecipeArg) -> None:
-    """Validate a recipe (schema, values, referenced files) without building."""
-    loaded = _run(lambda: Project.open(recipe)).loaded
-    r = loaded.recipe
-    targets = ", ".join(f"{n} ({t.kind})" for n, t in r.targets.items())
-    out.print(f"ok: {loaded.path}: recipe {r.name!r}, {len(r.targets)} targets: {targets}", highlight=False)
+def recipe_check(
+    recipe: RecipeArg,
+    gpu_arch: GpuArchOpt = None,
+    engine_version: EngineVersionOpt = None,
+    tp_size: TpSizeOpt = 1,
+    as_json: JsonOpt = False,
+) -> None:
+    """Validate a recipe (schema, values, referenced files) and predict whether each target's
+    serving engines will load it (engine version, GPU architecture, tensor-parallel size), without
+    building. A target that none of its engines can load is a recipe error (exit 2)."""
+    project = _run(lambda: Project.open(recipe))
+    host = _run(lambda: _host(gpu_arch, engine_version, tp_size))
+    predictions = project.preflight(host)
+    r = project.loaded.recipe
+    if as_json:
+        out.print_json(preflight_json(predictions, host))
+    else:
+        targets = ", ".join(f"{n} ({t.kind})" for n, t in r.targets.items())
+        out.print(f"ok: {project.loaded.path}: recipe {r.name!r}, {len(r.targets)} targets: {targets}",
+                  highlight=False)  # fmt: skip
+        _print_preflight(predictions, host)
+    problems = unloadable(predictions)
+    if problems:
+        _run(lambda: _raise(RecipeError(f"{project.loaded.path}: {'; '.join(problems)}")))
+
+
+def _raise(exc: PipelineError) -> None:
+    raise exc
 
 
 @app.command("list")
@@ -302,7 +362,7 @@ def show(artifact: Annotated[str, typer.Argument(help="RECIPE/TARGET")], as_json
     out.print(f"[bold]{manifest.recipe}/{manifest.target}[/] {manifest.engine} {manifest.quant}")
     for engine, verdict in v.engines.items():
         reason = f" ({verdict.reason})" if verdict.reason else ""
-        out.print(f"validation in {engine}: {verdict.status}{reason}", highlight=False)
+        out.print(f"validation in {engine}: {verdict.status}{escape(reason)}", highlight=False)
         for key, value in (verdict.metrics.model_dump() if verdict.metrics else {}).items():
             out.print(f"  {key}: {value}")
     out.print(f"source: {manifest.source}")

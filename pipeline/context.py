@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from pipeline import preflight
 from pipeline.artifacts import Layout, cached_step, read_key
-from pipeline.constants import ENV_TRANSFORMERS
-from pipeline.environments import StepUsage, check_step_request, run_step
+from pipeline.constants import ENGINES, ENV_TRANSFORMERS
+from pipeline.environments import StepUsage, check_step_request, environment_exists, run_step
 from pipeline.hashing import file_sha256, json_sha256
 from pipeline.source import ResolvedSource
-from pipeline.spec import CalibrationOverride, LoadedRecipe
+from pipeline.spec import CalibrationOverride, LoadedRecipe, TargetSpec
 from pipeline.workers.calibration import SELECTION_VERSION
 from pipeline.workers.scoring import EVAL_CONVENTION
 
@@ -45,6 +46,7 @@ class BuildContext:
     _toolchains: dict[str, dict[str, Any]] = field(default_factory=dict)
     _reference: dict[str, Any] | None = None
     _source: ResolvedSource | None = None
+    _preflight: dict[str, dict[str, preflight.Prediction]] = field(default_factory=dict)
 
     @property
     def source(self) -> ResolvedSource:
@@ -75,6 +77,26 @@ class BuildContext:
 
     def versions(self, env: str) -> dict[str, str | None]:
         return self.toolchain(env)["toolchain"]
+
+    def preflight(
+        self, name: str, target: TargetSpec, engines: tuple[str, ...]
+    ) -> dict[str, preflight.Prediction]:
+        """Whether each of `engines` will load target `name` on this host (pipeline.preflight):
+        the versions its environments report where they exist, the project's pins elsewhere, the
+        resolved source's config.json; once per target."""
+        if name not in self._preflight:
+            versions = {}
+            for engine in engines:
+                env = ENGINES[engine].env
+                if environment_exists(env):
+                    dists = preflight.ENGINE_DISTS[engine]
+                    versions |= {d: v for d, v in self.versions(env).items() if v and d in dists}
+            config_path = self.source.path / "config.json"
+            config = json.loads(config_path.read_text()) if config_path.is_file() else None
+            config = config.get("text_config", config) if config and "hidden_size" not in config else config
+            host = preflight.host(versions=versions)
+            self._preflight[name] = {e: preflight.predict(name, target, e, host, config) for e in engines}
+        return self._preflight[name]
 
     def cached(self, name: str, inputs: dict[str, Any], produce: Callable[[Path], None]) -> Path:
         """`.cache/<name>/` computed by `produce` from `inputs` (pipeline.artifacts.cached_step)."""

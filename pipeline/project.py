@@ -34,8 +34,17 @@ from pipeline.context import BuildContext, NullReporter, Reporter
 from pipeline.environments import environment_exists
 from pipeline.errors import DiskFullError, PipelineError, RecipeError, RegistryError
 from pipeline.hashing import json_sha256
-from pipeline.manifest import BuildInfo, Manifest, ServeInfo, StepRecord, read_manifest, write_manifest
-from pipeline.recipe import load_recipe
+from pipeline.manifest import (
+    BuildInfo,
+    Manifest,
+    ServeInfo,
+    StepRecord,
+    Validation,
+    read_manifest,
+    write_manifest,
+)
+from pipeline.preflight import Host, Prediction, predict
+from pipeline.recipe import load_recipe, source_config
 from pipeline.registry import Registry
 from pipeline.serving import benchmark
 from pipeline.source import resolve_source
@@ -121,6 +130,16 @@ class Project:
             threads=threads,
             node=node,
         )
+
+    def preflight(self, host: Host, names: list[str] | None = None) -> list[Prediction]:
+        """Whether each selected target's serving engines will load it on `host`, read from the
+        source's config.json where it is known before the build (pipeline.preflight)."""
+        config = source_config(self.loaded)
+        return [
+            predict(name, target, engine, host, config)
+            for name, target in self.select(names).items()
+            for engine in target.serving_engines()
+        ]
 
     def plan(self, names: list[str] | None = None) -> list[TargetResult]:
         """What a build would do, without resolving the source or building anything."""
@@ -262,6 +281,7 @@ class Project:
             build_s = time.perf_counter() - t0
             files = file_entries(staging)
             validation = spec.validate(ctx, name, staging)
+            _record_preflight(validation, ctx.preflight(name, spec, spec.serving_engines()))
             serving = benchmark(ctx, name, staging, validation, spec.serve_argv)
             manifest = Manifest(
                 schema=MANIFEST_SCHEMA,
@@ -394,9 +414,30 @@ def _passes(artifact_dir: Path) -> bool:
         return False
 
 
+def _record_preflight(validation: Validation, predicted: dict[str, Prediction]) -> None:
+    """Each engine's preflight beside its verdict; a verdict that contradicts it (predicted not to
+    load, and it passed) says so, naming the rule to correct."""
+    for engine, verdict in validation.engines.items():
+        p = predicted.get(engine)
+        if p is None:
+            continue
+        record = p.record()
+        if p.outcome == "fails" and verdict.status == STATUS_PASSED:
+            record["contradicted"] = (
+                f"preflight rule {p.rule} said {engine} {p.version} would not load it ({p.reason}), "
+                "and it passed: correct the rule (pipeline/preflight.py)"
+            )
+        verdict.details["preflight"] = record
+
+
 def _result(name: str, outcome: str, path: Path, manifest: Manifest) -> TargetResult:
     v = manifest.validation
     failed = [f"{e}: {x.reason}" for e, x in v.engines.items() if x.status == "failed" and e != v.engine]
+    failed += [
+        f"{e}: {x.details['preflight']['contradicted']}"
+        for e, x in v.engines.items()
+        if (x.details.get("preflight") or {}).get("contradicted")
+    ]
     return TargetResult(
         name,
         outcome,

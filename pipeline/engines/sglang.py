@@ -13,6 +13,7 @@ from pipeline.engines.serving import ARTIFACT_DIR, command_line, serve_check
 from pipeline.environments import environment
 from pipeline.errors import EngineError
 from pipeline.manifest import EngineVerdict
+from pipeline.preflight import Prediction
 from pipeline.spec import Gates, ServeSpec
 from pipeline.validation import not_run, verdict
 
@@ -36,8 +37,17 @@ def serve_argv(serve: ServeSpec, quantization: str | None, dtype: str) -> list[s
 
 
 def validate(
-    ctx: BuildContext, name: str, artifact: Path, quantization: str | None, dtype: str, gates: Gates
+    ctx: BuildContext,
+    name: str,
+    artifact: Path,
+    quantization: str | None,
+    dtype: str,
+    gates: Gates,
+    predicted: Prediction | None = None,
 ) -> EngineVerdict:
+    """SGLang's verdict; `skipped` without its environment, or where the preflight says this SGLang
+    cannot load the checkpoint (`predicted`: pipeline.preflight), instead of minutes of JIT and a
+    crash."""
     command = command_line(serve_argv(ctx.loaded.recipe.serve, quantization, dtype))
     details = {"quantization": quantization, "command": command}
     env = environment(ENV_SGLANG)
@@ -49,6 +59,9 @@ def validate(
             "csrc/cpu, has no sdist or CPU wheel)",
             **details,
         )
+    if predicted is not None and predicted.outcome == "fails":
+        why = f"preflight: SGLang {predicted.version} will not load it: {predicted.reason} [{predicted.rule}]"
+        return not_run("skipped", why, **details)
     ref, ref_dir = ctx.reference()
     ctx.reporter.step(name, "validating in SGLang")
     try:

@@ -159,12 +159,19 @@ class Int4Target(Target):
 
     def validate(self, ctx: BuildContext, name: str, artifact: Path) -> Validation:
         ref, _ = ctx.reference()
+        predicted = ctx.preflight(name, self, self.serving_engines())
         verdicts = {
             ENGINE_VLLM: vllm.validate(
                 ctx, name, artifact, self.dtype, self.gates, self.serve_argv, int4=True
             ),
             ENGINE_SGLANG: sglang.validate(
-                ctx, name, artifact, self.sglang_quantization, self.dtype, self.gates
+                ctx,
+                name,
+                artifact,
+                self.sglang_quantization,
+                self.dtype,
+                self.gates,
+                predicted[ENGINE_SGLANG],
             ),
         }
         return Validation.of(ENGINE_VLLM, verdicts, reference_record(ref))

@@ -158,6 +158,17 @@ def check_step_request(env: str, request: dict[str, Any]) -> None:
         raise EngineError(f"{exc} (a defect of the pipeline: please report it)") from None
 
 
+def check_step_reply(env: str, op: str, reply: dict[str, Any]) -> None:
+    """A one-line EngineError naming every field the core reads that env's worker's reply lacks
+    or mistypes (pipeline.workers.requests; the worker checked it before writing it)."""
+    from pipeline.workers.requests import check_reply  # pydantic: this table stays stdlib-only
+
+    try:
+        check_reply(environment(env).worker, op, reply)
+    except ValueError as exc:
+        raise EngineError(f"{exc} (a defect of the pipeline: please report it)") from None
+
+
 # Steps that hold a serving engine for their whole run (its offline engine, or its server).
 ENGINE_OPS = frozenset({"validate", "serve_check", "benchmark"})
 
@@ -282,6 +293,7 @@ def run_step(
         said = _step_output(log_path, step_start)  # what the engine said before it died, if anything
         why = f": {last_error_line(said)}" if said.strip() else ""
         raise EngineError(f"{module} {op}: {_describe_exit(proc.returncode)}{why} (log: {log_path})")
+    check_step_reply(env, str(op), result)
     return result
 
 

@@ -4,13 +4,14 @@ naming it, in the core before the step starts and in the worker on arrival."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from pipeline.environments import check_step_request, environment, run_step
 from pipeline.errors import EngineError
-from pipeline.workers.requests import REQUESTS, check_request
+from pipeline.workers.requests import REPLIES, REQUESTS, check_reply, check_request
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,3 +55,38 @@ def test_a_misspelt_key_fails_in_the_worker_naming_it(tmp_path: Path) -> None:
 def test_an_op_without_a_model_is_not_checked() -> None:
     check_request("pipeline.workers.vllm", {"op": "no-such-op", "anything": 1})
     check_request("some.other.worker", {"op": "validate"})
+
+
+def test_every_reply_model_names_an_op_the_worker_dispatches() -> None:
+    for module, ops in REPLIES.items():
+        assert set(ops) <= set(REQUESTS[module]), module
+
+
+def test_a_reply_missing_what_the_core_reads_fails_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker whose reply lacks a field the core reads (here: a stand-in interpreter whose
+    llama.cpp worker answers `inspect` without `rows`) fails the step in one line naming it, not as a
+    KeyError later; the worker's own check says the same before it writes the reply."""
+    check_reply(
+        "pipeline.workers.llamacpp", "inspect", {"architecture": "llama", "tensor_types": {}, "rows": {}}
+    )
+    with pytest.raises(ValueError, match=r"pipeline.workers.llamacpp inspect reply: rows: field required$"):
+        check_reply("pipeline.workers.llamacpp", "inspect", {"architecture": "llama", "tensor_types": {}})
+    with pytest.raises(ValueError, match=r"vllm validate reply: .*startup_s: input should be a valid number"):
+        check_reply("pipeline.workers.vllm", "validate", {"ppl": 1.0, "startup_s": "soon"})
+    check_reply("pipeline.workers.vllm", "validate", {"error": "the engine crashed"})  # errors pass through
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "if grep -q '\"op\": \"inspect\"' \"$3\"; then\n"
+        "  echo '{\"architecture\": \"llama\", \"tensor_types\": {}}' > \"$4\"; exit 0\n"
+        "fi\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PIPELINE_LLAMACPP_PYTHON", str(fake))
+    with pytest.raises(EngineError) as caught:
+        run_step("llamacpp", {"op": "inspect", "path": "/x.gguf"}, tmp_path / "log")
+    assert str(caught.value).startswith("pipeline.workers.llamacpp inspect reply: rows: field required")
+    assert "a defect of the pipeline" in str(caught.value)

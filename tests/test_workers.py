@@ -383,7 +383,12 @@ def test_engine_steps_on_a_gpu_host_wait_for_each_other(
     lock_path = tmp_path / "gpu-engines.lock"
     monkeypatch.setenv("PIPELINE_GPU_ENGINE_LOCK", str(lock_path))
     started = tmp_path / "started"
-    body = f"date +%s.%N > {started}; for arg; do res=$arg; done; printf '{{}}' > \"$res\""
+    reply = tmp_path / "reply.json"  # what the core reads of a vLLM validation (its reply model)
+    reply.write_text(json.dumps({
+        "ppl": 1.0, "generations": [], "startup_s": 0.0, "quantization": None, "device": "cpu",
+        "engine_env": {}, "settings": {}, "first_generation_top_logprobs": [],
+    }))  # fmt: skip
+    body = f"date +%s.%N > {started}; for arg; do res=$arg; done; cp {reply} \"$res\""
     monkeypatch.setenv("PIPELINE_VLLM_PYTHON", _script(tmp_path / "py", body))
     with open(lock_path, "a+") as holder:  # another build's engine holds the GPU
         fcntl.flock(holder, fcntl.LOCK_EX)

@@ -223,14 +223,19 @@ def worker_main(ops: dict[str, Op]) -> None:
     try:
         if op not in ops:
             raise ValueError(f"unknown op {op!r} (known: {', '.join(ops)})")
-        from pipeline.workers.requests import check_request  # pydantic: the core imports this module
+        from pipeline.workers.requests import (
+            check_reply,
+            check_request,
+        )  # pydantic: the core imports this module
 
         main = sys.modules["__main__"]
-        check_request(getattr(main.__spec__, "name", "") if main.__spec__ else "", request)
+        worker = getattr(main.__spec__, "name", "") if main.__spec__ else ""
+        check_request(worker, request)
         result = ops[op](request)
         lock = environment_lock()
         if lock and isinstance(result.get("toolchain"), dict):
             result["toolchain"]["lock"] = lock  # part of every target's inputs hash
+        check_reply(worker, op, result)
     except Exception as exc:  # reported to the core as one line; the traceback goes to the log
         traceback.print_exc()
         message = (str(exc).splitlines() or [""])[0] or type(exc).__name__

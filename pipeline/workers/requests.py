@@ -1,10 +1,14 @@
-"""The requests the core sends to the step workers: one model per worker op, shared by both sides.
+"""The requests the core sends to the step workers and the replies it reads back: one model per
+worker op each way, shared by both sides.
 
 The core checks a request before it starts the step (`pipeline.context.BuildContext.step`, the
 source's materialising step) and the worker checks it again on arrival (`protocol.worker_main`), so
 a misspelt or missing key fails at once, naming it, instead of as a KeyError deep in a tool's
 environment or as a knob silently ignored. Both sides keep sending and reading the same JSON dict:
-the check changes no byte of what a step receives.
+the check changes no byte of what a step receives. Replies are checked the same way, by the worker
+before it writes one and by the core when it reads one (`pipeline.environments.run_step`): a reply
+model lists the fields the core reads, typed; what else a worker reports (a tool's own details)
+passes through to the manifest untouched.
 
 Only pydantic is imported here: every tool environment has it (the GPU kit carries it in `core`).
 """
@@ -207,6 +211,127 @@ class Kld(Request):
     threads: int | None = None
 
 
+class Reply(BaseModel):
+    """A worker reply: the fields the core reads; the rest passes through."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ToolchainReply(Reply):
+    toolchain: dict[str, str | None]
+
+
+class Scores(Reply):
+    """What every engine's validation reports (pipeline.workers.scoring): `ppl` always, the rest
+    where that engine measures it."""
+
+    ppl: float
+    kld_mean: float | None = None
+    kld_topk_mean: float | None = None
+    top1_agreement: float | None = None
+    predicted_tokens: int | None = None
+    token_agreement: float | None = None
+    tokens_per_s: float | None = None
+    generations: list[dict[str, Any]] = []
+
+
+class VllmScores(Scores):
+    startup_s: float
+    quantization: str | None
+    device: str
+    engine_env: dict[str, str]
+    settings: dict[str, Any]
+    first_generation_top_logprobs: list[dict[str, float]]
+    generations: list[dict[str, Any]]
+
+
+class SglangScores(Scores):
+    startup_s: float
+    device: str
+    settings: dict[str, Any]
+    generations: list[dict[str, Any]]
+
+
+class LlamacppScores(Scores):
+    load_s: float
+    tokenizer_prefix_match: Any
+    placement: dict[str, Any]
+    eos_token_id: int | None
+
+
+class TrtllmScores(Scores):
+    load_s: float
+
+
+class Served(Reply):
+    """The serve check's answer (pipeline.workers.serving)."""
+
+    ok: bool
+    compared: str
+    divergence: dict[str, Any] | None
+    text: str
+    token_ids: list[int] | None
+
+
+class Quantized(Reply):
+    """llm-compressor's and GPTQModel's AWQ/GPTQ."""
+
+    quantization_config: dict[str, Any]
+    toolchain: dict[str, str | None]
+    seconds: float
+    device: str
+    chunks: int
+    tokens: int
+
+
+class Checkpointed(Reply):
+    """ModelOpt's checkpoint (HF or TensorRT-LLM)."""
+
+    config: dict[str, Any] | None
+    calibration: Any
+    export_seconds: float
+    device: str
+    toolchain: dict[str, str | None]
+
+
+class Benchmarked(Reply):
+    tool: str
+    seconds: float
+    levels: list[dict[str, Any]]
+
+
+class ReferenceReply(Reply):
+    """The transformers reference: what every verdict is relative to."""
+
+    ppl: float
+    ctx: int
+    eval_ids: list[int]
+    generations: list[dict[str, Any]]
+    eos_token_ids: list[int]
+    scored_from: int
+    toolchain: dict[str, str | None]
+
+
+class Inspected(Reply):
+    architecture: str | None
+    tensor_types: dict[str, int]
+    rows: dict[str, int]
+
+
+class ImatrixReply(Reply):
+    tensors: int
+    chunks: int | None  # llama-imatrix's own count, when its GGUF records one
+    tokens: int
+
+
+class KldReply(Reply):
+    """llama-perplexity --kl-divergence's numbers."""
+
+    chunks: int | None
+    ppl: float
+    ppl_base: float
+
+
 WORKERS = "pipeline.workers."
 # worker module -> op -> its request model (the ops each worker's worker_main dispatches)
 REQUESTS: dict[str, dict[str, type[Request]]] = {
@@ -228,6 +353,45 @@ REQUESTS: dict[str, dict[str, type[Request]]] = {
 }  # fmt: skip
 
 
+# worker module -> op -> the model of its reply (an op not named here is not checked)
+REPLIES: dict[str, dict[str, type[Reply]]] = {
+    WORKERS + "llamacpp": {
+        "toolchain": ToolchainReply, "inspect": Inspected, "validate": LlamacppScores,
+        "imatrix": ImatrixReply, "kld": KldReply,
+    },
+    WORKERS + "reference": {
+        "toolchain": ToolchainReply, "reference": ReferenceReply, "imatrix": ImatrixReply,
+    },
+    WORKERS + "llmcompressor": {"toolchain": ToolchainReply, "quantize": Quantized},
+    WORKERS + "gptqmodel": {"toolchain": ToolchainReply, "quantize": Quantized},
+    WORKERS + "modelopt": {"toolchain": ToolchainReply, "checkpoint": Checkpointed},
+    WORKERS + "vllm": {"toolchain": ToolchainReply, "validate": VllmScores, "serve_check": Served},
+    WORKERS + "sglang": {"toolchain": ToolchainReply, "validate": SglangScores, "serve_check": Served},
+    WORKERS + "trtllm": {"toolchain": ToolchainReply, "validate": TrtllmScores},
+    WORKERS + "loadgen": {"toolchain": ToolchainReply, "benchmark": Benchmarked},
+}  # fmt: skip
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or '(message)'}: "
+        + ("not a field of this op" if e["type"] == "extra_forbidden" else e["msg"].lower())
+        for e in exc.errors()
+    )
+
+
+def check_reply(worker: str, op: str, reply: dict[str, Any]) -> None:
+    """Raise ValueError in one line naming every missing or mistyped field of `worker`'s reply to
+    `op` (an error reply, or an op without a model here, is not checked)."""
+    model = REPLIES.get(worker, {}).get(op)
+    if model is None or "error" in reply:
+        return
+    try:
+        model.model_validate(reply)
+    except ValidationError as exc:
+        raise ValueError(f"{worker} {op} reply: {_problems(exc)}") from None
+
+
 def check_request(worker: str, request: dict[str, Any]) -> None:
     """Raise ValueError in one line naming every bad field of `request` for `worker`'s op (a
     worker or op without a model here is not checked)."""
@@ -237,9 +401,4 @@ def check_request(worker: str, request: dict[str, Any]) -> None:
     try:
         model.model_validate(request)
     except ValidationError as exc:
-        problems = [
-            f"{'.'.join(str(p) for p in e['loc']) or '(request)'}: "
-            + ("not a field of this op" if e["type"] == "extra_forbidden" else e["msg"].lower())
-            for e in exc.errors()
-        ]
-        raise ValueError(f"{worker} {request.get('op')} request: {'; '.join(problems)}") from None
+        raise ValueError(f"{worker} {request.get('op')} request: {_problems(exc)}") from None

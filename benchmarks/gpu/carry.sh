@@ -54,6 +54,10 @@ case "${1:-}" in
       [ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" $wheels
       # llama-cpp-python's wheel (py3-none-linux_x86_64) holds ctypes code and its shared libraries
       for w in "$dir"llama_cpp_python-*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" "$site"; done
+      # bytecode for every module, now (all cores): where PYTHONDONTWRITEBYTECODE is set, each step
+      # process would compile what it imports from source again (on the 2-core CPU host that was
+      # 15 s per vLLM process; every engine start is three). Files for other Pythons fail: ignored.
+      python3 -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
       [ -d "$dir/llama.cpp" ] && rm -rf /tmp/pipeline-site/llama.cpp && cp -r "$dir/llama.cpp" /tmp/pipeline-site/llama.cpp
       mkdir -p "/tmp/pipeline-envs/$env"
       extra=""; [ "$env" != core ] && extra=":/tmp/pipeline-site/core"

@@ -415,8 +415,9 @@ def _passes(artifact_dir: Path) -> bool:
 
 
 def _record_preflight(validation: Validation, predicted: dict[str, Prediction]) -> None:
-    """Each engine's preflight beside its verdict; a verdict that contradicts it (predicted not to
-    load, and it passed) says so, naming the rule to correct."""
+    """Each engine's preflight beside its verdict; a verdict that contradicts it says so: predicted
+    not to load and passed (names the rule to correct), or predicted to load and failed before it
+    scored anything (a crash or a server that never answered: maybe a rule the table lacks)."""
     for engine, verdict in validation.engines.items():
         p = predicted.get(engine)
         if p is None:
@@ -426,6 +427,11 @@ def _record_preflight(validation: Validation, predicted: dict[str, Prediction]) 
             record["contradicted"] = (
                 f"preflight rule {p.rule} said {engine} {p.version} would not load it ({p.reason}), "
                 "and it passed: correct the rule (pipeline/preflight.py)"
+            )
+        elif p.outcome == "loads" and verdict.status == "failed" and verdict.metrics is None:
+            record["contradicted"] = (
+                f"preflight said {engine} {p.version} would load it, and it failed before scoring "
+                f"({verdict.reason}): if it could not load it, add a rule (pipeline/preflight.py)"
             )
         verdict.details["preflight"] = record
 

@@ -225,6 +225,14 @@ def test_a_verdict_that_contradicts_the_preflight_says_so() -> None:
     )
     _record_preflight(failed, predicted)
     assert "contradicted" not in failed.engines[ENGINE_SGLANG].details["preflight"]
+    # predicted to load, and the engine crashed before scoring anything: maybe a missing rule
+    cuda = preflight.Host({"vllm": "0.26.0"}, gpu_arch=90)
+    loads = {ENGINE_VLLM: preflight.predict("awq", _target("awq", group_size=64), ENGINE_VLLM, cuda, SMOLLM2)}
+    crashed = EngineVerdict(status="failed", reason="engine process crashed (SIGSEGV)")
+    _record_preflight(Validation(engine=ENGINE_VLLM, status="failed", engines={ENGINE_VLLM: crashed}), loads)
+    said = crashed.details["preflight"]["contradicted"]
+    assert said.startswith("preflight said vllm 0.26.0 would load it, and it failed before scoring")
+    assert "(engine process crashed (SIGSEGV))" in said
 
 
 def test_sglang_is_skipped_with_the_rule_instead_of_a_wasted_run(

@@ -123,7 +123,7 @@ def build(
             out.print(f"[bold]{r.target}[/] plan:", highlight=False)
             out.print_json(json.dumps(r.plan))
     if dry_run:
-        host = preflight_host()
+        host = preflight_host(tp_size=project.loaded.recipe.serve.tp_size)
         _print_preflight(project.preflight(host, names), host)
     errors = [r for r in results if r.outcome == "error"]
     unavailable = [r for r in results if r.outcome == STATUS_UNAVAILABLE]
@@ -261,10 +261,14 @@ EngineVersionOpt = Annotated[
         help="ENGINE=VERSION to predict for (repeatable; e.g. sglang=0.5.17; default: the project's pins).",
     ),
 ]
-TpSizeOpt = Annotated[int, typer.Option("--tp-size", min=1, help="Tensor-parallel size to predict for.")]
+TpSizeOpt = Annotated[
+    int | None,
+    typer.Option("--tp-size", min=1, help="Tensor-parallel size (default: the recipe's serve.tp_size)."),
+]
 
 
 def _host(gpu_arch: str | None, engine_version: list[str] | None, tp_size: int) -> Host:
+    """The host a prediction is for (pipeline.preflight.host); bad values are recipe errors."""
     try:
         return preflight_host(gpu_arch, engine_versions(engine_version or []), tp_size)
     except ValueError as exc:
@@ -283,14 +287,15 @@ def recipe_check(
     recipe: RecipeArg,
     gpu_arch: GpuArchOpt = None,
     engine_version: EngineVersionOpt = None,
-    tp_size: TpSizeOpt = 1,
+    tp_size: TpSizeOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Validate a recipe (schema, values, referenced files) and predict whether each target's
     serving engines will load it (engine version, GPU architecture, tensor-parallel size), without
     building. A target that none of its engines can load is a recipe error (exit 2)."""
     project = _run(lambda: Project.open(recipe))
-    host = _run(lambda: _host(gpu_arch, engine_version, tp_size))
+    tp = tp_size or project.loaded.recipe.serve.tp_size
+    host = _run(lambda: _host(gpu_arch, engine_version, tp))
     predictions = project.preflight(host)
     r = project.loaded.recipe
     if as_json:
@@ -454,6 +459,11 @@ def registry_show(ref: RefArg, version: VersionOpt = None, as_json: JsonOpt = Fa
     _emit(_run(lambda: _registry().show(ref, version)), as_json)
 
 
+GpusOpt = Annotated[
+    int | None, typer.Option("--gpus", min=1, help="The deploy host's GPU count: nothing sharded over more.")
+]
+
+
 @registry_app.command("resolve")
 def registry_resolve(
     model: Annotated[str, typer.Option("--model", help="Recipe name, e.g. qwen2-7b.")],
@@ -465,11 +475,12 @@ def registry_resolve(
     engine_version: Annotated[
         str | None, typer.Option(help="Version of the engine that built it, e.g. TensorRT-LLM 1.2.0.")
     ] = None,
+    gpus: GpusOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Exactly one version: where its bytes are (path, DVC location), files with sha256, serve command."""
     _emit(
-        _run(lambda: _registry().resolve(model, engine, quant, gpu_arch, stage, all_, engine_version)),
+        _run(lambda: _registry().resolve(model, engine, quant, gpu_arch, stage, all_, engine_version, gpus)),
         as_json,
     )
 
@@ -479,6 +490,7 @@ def registry_select(
     model: Annotated[str | None, typer.Option("--model", help="Recipe name (default: every model).")] = None,
     cpu: Annotated[bool, typer.Option("--cpu", help="A CPU host: engines validated on a CPU only.")] = False,
     gpu_arch: Annotated[str | None, typer.Option("--gpu-arch", help="A GPU host, e.g. sm90.")] = None,
+    gpus: GpusOpt = None,
     memory_gib: Annotated[float | None, typer.Option("--memory-gib", help="Memory the job has.")] = None,
     max_ppl_delta: Annotated[float | None, typer.Option("--max-ppl-delta", help="ΔPPL %, at most.")] = None,
     max_ttft_ms: Annotated[float | None, typer.Option("--max-ttft-ms", help="TTFT p99, at most.")] = None,
@@ -494,15 +506,16 @@ def registry_select(
     """The validated artifacts that fit a scenario, best first, with the measured reason for each
     (and why every other one is excluded)."""
     scenario = Scenario(
-        model,
-        cpu,
-        gpu_arch,
-        memory_gib,
-        max_ppl_delta,
-        max_ttft_ms,
-        max_itl_ms,
-        concurrency,
-        objective,  # type: ignore[arg-type]  # checked by select
+        model=model,
+        cpu=cpu,
+        gpu_arch=gpu_arch,
+        gpus=gpus,
+        memory_gib=memory_gib,
+        max_ppl_delta=max_ppl_delta,
+        max_ttft_ms=max_ttft_ms,
+        max_itl_ms=max_itl_ms,
+        concurrency=concurrency,
+        objective=objective,  # type: ignore[arg-type]  # checked by select
     )
     answer = _run(lambda: select(_registry(), scenario))
     if as_json:

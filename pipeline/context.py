@@ -94,7 +94,7 @@ class BuildContext:
             config_path = self.source.path / "config.json"
             config = json.loads(config_path.read_text()) if config_path.is_file() else None
             config = config.get("text_config", config) if config and "hidden_size" not in config else config
-            host = preflight.host(versions=versions)
+            host = preflight.host(versions=versions, tp_size=self.loaded.recipe.serve.tp_size)
             self._preflight[name] = {e: preflight.predict(name, target, e, host, config) for e in engines}
         return self._preflight[name]
 

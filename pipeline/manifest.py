@@ -157,6 +157,7 @@ class ServingResult(_Model):
 
 class ServeInfo(_Model):
     command: str
+    tp_size: int = 1  # GPUs the command shards the model over (a deploy host needs as many)
 
 
 class Manifest(_Model):

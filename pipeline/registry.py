@@ -338,6 +338,7 @@ class Registry:
         stage: str | None = None,
         include_failed: bool = False,
         engine_version: str | None = None,
+        gpus: int | None = None,
     ) -> dict[str, Any]:
         """Exactly one version for (model, engine, quant[, gpu arch][, stage][, engine version]),
         or a clear error: with `stage`, the version that stage points at; without, each target's
@@ -363,9 +364,20 @@ class Registry:
         matches = [e for e in candidates if gpu_arch is None or e.gpu_arch in (None, gpu_arch)]
         if engine_version is not None:
             matches = [e for e in matches if e.engines[engine].engine_version == engine_version]
-        query = f"model={model} engine={engine} quant={quant} gpu_arch={gpu_arch} stage={stage}" + (
-            f" engine_version={engine_version}" if engine_version else ""
+        wide = {}  # a deploy host with `gpus` GPUs cannot serve a version sharded over more
+        if gpus is not None:
+            wide = {f"{e.recipe}/{e.target}": self.manifest(e).serve.tp_size for e in matches}
+            matches = [e for e in matches if wide[f"{e.recipe}/{e.target}"] <= gpus]
+        query = (
+            f"model={model} engine={engine} quant={quant} gpu_arch={gpu_arch} stage={stage}"
+            + (f" engine_version={engine_version}" if engine_version else "")
+            + (f" gpus={gpus}" if gpus is not None else "")
         )
+        if not matches and any(tp > (gpus or 0) for tp in wide.values()):
+            needs = ", ".join(f"{name} (tp_size {tp})" for name, tp in sorted(wide.items()))
+            raise RegistryError(
+                f"nothing resolves {query}: the matching artifacts are sharded over more GPUs: {needs}"
+            )
         if not matches:
             others = sorted({f"{e.gpu_arch} ({e.recipe}/{e.target})" for e in candidates if e.gpu_arch})
             if gpu_arch and others:

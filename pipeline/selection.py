@@ -29,6 +29,7 @@ class Scenario:
     model: str | None = None
     cpu: bool = False  # a CPU host: only engines whose verdict was obtained on a CPU
     gpu_arch: str | None = None  # a GPU host: artifacts built for another architecture excluded
+    gpus: int | None = None  # a GPU host's GPU count: artifacts sharded over more excluded
     memory_gib: float | None = None
     max_ppl_delta: float | None = None
     max_ttft_ms: float | None = None  # p99, at `concurrency`
@@ -52,6 +53,7 @@ class Candidate:
     memory_from: str
     serving: dict[str, Any] | None  # this engine's numbers at the scenario's concurrency
     serve_command: str
+    tp_size: int
     reasons: list[str] = field(default_factory=list)
     excluded: str | None = None
     steps: list[StepRecord] = field(default_factory=list)  # its build's steps (for memory); not shown
@@ -94,6 +96,7 @@ def _candidate(entry: VersionEntry, manifest: Manifest, engine: str, verdict: En
         memory_from="",
         serving=serving.model_dump(mode="json") if serving else None,
         serve_command=manifest.serve.command,
+        tp_size=manifest.serve.tp_size,
         steps=manifest.build.steps,
     )
 
@@ -150,6 +153,8 @@ def _exclusion(c: Candidate, s: Scenario) -> str | None:
         return f"validated on {c.device}, not on a CPU"
     if s.gpu_arch and c.gpu_arch not in (None, s.gpu_arch):
         return f"built for {c.gpu_arch}, not {s.gpu_arch}"
+    if s.gpus is not None and c.tp_size > s.gpus:
+        return f"sharded over {c.tp_size} GPUs (tp_size), the host has {s.gpus}"
     if s.max_ppl_delta is not None:
         if c.ppl_delta_pct is None:
             return "no ΔPPL measured"

@@ -177,6 +177,9 @@ class ServeSpec(Strict):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    # tensor-parallel GPUs per server (vLLM --tensor-parallel-size, SGLang --tp); validation runs
+    # at the same size. 1 adds no flag, so every serve command (and inputs hash) stays as it was.
+    tp_size: int = Field(1, ge=1, le=64)
     llamacpp: LlamaCppServe = LlamaCppServe()
     vllm: VllmServe = VllmServe()
     sglang: SglangServe = SglangServe()

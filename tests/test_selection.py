@@ -173,3 +173,23 @@ def test_a_contended_benchmark_is_named_in_the_reasons(tmp_path: Path) -> None:
     reasons = {c["target"]: " ".join(c["reasons"]) for c in answer["ranked"]}
     assert "CONTENDED: other processes used 80% of the host's CPUs" in reasons["gguf-q8_0"]
     assert "CONTENDED" not in reasons["gguf-q4_0"]
+
+
+def test_a_host_with_fewer_gpus_excludes_what_is_sharded_over_more(
+    registry: Registry, tmp_path: Path
+) -> None:
+    """A deploy host's GPU count (`--gpus`): an artifact whose serve command shards it over more GPUs
+    (`serve.tp_size`, recorded as the manifest's `serve.tp_size`) is excluded and never resolves."""
+    d = registry.root / "m" / "awq"
+    manifest = read_manifest(d)
+    manifest.serve.tp_size = 2
+    write_manifest(d, manifest)
+    registry.rebuild()
+    one = select(registry, Scenario(model="m", gpu_arch="sm90", gpus=1))
+    assert _why(one, "awq") == "sharded over 2 GPUs (tp_size), the host has 1"
+    assert "awq@vllm" in _names(select(registry, Scenario(model="m", gpu_arch="sm90", gpus=2))["ranked"])
+    with pytest.raises(
+        RegistryError, match=r"gpus=1: the matching artifacts are sharded over more GPUs: m/awq \(tp_size 2\)"
+    ):
+        registry.resolve("m", "vllm", "awq", gpus=1)
+    assert registry.resolve("m", "vllm", "awq", gpus=2)["target"] == "awq"

@@ -11,7 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import pipeline.targets  # noqa: F401  (registers the kinds in KINDS)
+from pipeline.engines import sglang
 from pipeline.engines.serving import ARTIFACT_DIR, command_line, local_argv
 from pipeline.spec import KINDS, ServeSpec
 from pipeline.workers.serving import run_argv
@@ -68,3 +71,31 @@ def test_each_engine_reads_only_its_own_knobs() -> None:
     argv = target.serve_argv(serve)
     assert argv[0] == "trtllm-serve" and argv[argv.index("--max_seq_len") + 1] == "2048"
     assert "1024" not in argv
+
+
+def test_tp_size_reaches_both_engines_commands_and_leaves_size_one_as_it_was() -> None:
+    """`serve.tp_size` > 1 shards the server over GPUs (vLLM --tensor-parallel-size, SGLang --tp);
+    at 1 no flag is added, so no recorded command, and no inputs hash, changes."""
+    awq = KINDS["awq"].model_validate(
+        {"kind": "awq", "gates": {"max_ppl_delta_pct": 10, "max_kld_topk_mean": 1}}
+    )
+    one, two = ServeSpec(), ServeSpec(tp_size=2)
+    assert "--tensor-parallel-size" not in awq.serve_argv(one)
+    argv = awq.serve_argv(two)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    sglang_argv = sglang.serve_argv(two, None, "float16")
+    assert sglang_argv[sglang_argv.index("--tp") + 1] == "2" and "--tp" not in sglang.serve_argv(
+        one, None, "float16"
+    )
+
+
+def test_cpu_tensor_parallel_workers_each_get_a_slice_of_the_cores() -> None:
+    from pipeline.workers.vllm import cpu_binding
+
+    assert cpu_binding(2, [0, 1]) == "0|1"
+    assert cpu_binding(2, [0, 1, 2, 3, 4]) == "0-1|2-3"
+    assert cpu_binding(2, [0, 2, 4, 6]) == "0,2|4,6"
+    with pytest.raises(
+        RuntimeError, match="tensor_parallel_size 4 needs at least 4 CPU cores; this process has 2"
+    ):
+        cpu_binding(4, [0, 1])

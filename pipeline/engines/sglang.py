@@ -31,6 +31,7 @@ def serve_argv(serve: ServeSpec, quantization: str | None, dtype: str) -> list[s
     argv += ["--host", serve.host, "--port", str(serve.port)]
     argv += ["--context-length", str(knobs.context_length)]
     argv += ["--mem-fraction-static", str(knobs.mem_fraction_static)]
+    argv += ["--tp", str(serve.tp_size)] if serve.tp_size > 1 else []
     argv += ["--attention-backend", knobs.attention_backend] if knobs.attention_backend else []
     argv += [EAGER_FLAG] if knobs.disable_cuda_graph else []
     return argv
@@ -77,6 +78,7 @@ def validate(
                 "max_new_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
                 "mem_fraction_static": ctx.loaded.recipe.serve.sglang.mem_fraction_static,
                 "attention_backend": ctx.loaded.recipe.serve.sglang.attention_backend,
+                "tp_size": ctx.loaded.recipe.serve.tp_size,
             },
             name,
             timeout_s=VALIDATE_TIMEOUT_S,

@@ -29,6 +29,7 @@ def serve_argv(serve: ServeSpec, quantization: str | None, dtype: str) -> list[s
     argv += ["--dtype", dtype, "--host", serve.host, "--port", str(serve.port)]
     argv += ["--max-model-len", str(knobs.max_model_len)]
     argv += ["--gpu-memory-utilization", str(knobs.gpu_memory_utilization)]
+    argv += ["--tensor-parallel-size", str(serve.tp_size)] if serve.tp_size > 1 else []
     if knobs.max_num_batched_tokens:
         argv += ["--max-num-batched-tokens", str(knobs.max_num_batched_tokens)]
     argv += [EAGER_FLAG] if knobs.enforce_eager else []
@@ -48,6 +49,7 @@ def _score(ctx: BuildContext, log: str, model_dir: Path, dtype: str) -> dict[str
             "reference_dir": str(ref_dir),
             "max_new_tokens": r.smoke.max_new_tokens,
             "gpu_memory_utilization": r.serve.vllm.gpu_memory_utilization,
+            "tensor_parallel_size": r.serve.tp_size,
         },
         log,
         timeout_s=VALIDATE_TIMEOUT_S,
@@ -62,6 +64,8 @@ def engine_reference(ctx: BuildContext, dtype: str) -> dict[str, Any]:
         (tmp / "scores.json").write_text(json.dumps(_score(ctx, "vllm-reference", ctx.source.path, dtype)))
 
     inputs = {"reference": ctx.reference_key(), "dtype": dtype, "toolchain": ctx.versions(ENV_VLLM)}
+    tp = ctx.loaded.recipe.serve.tp_size
+    inputs |= {"tensor_parallel_size": tp} if tp > 1 else {}  # sharded sums round differently
     path = ctx.cached(f"vllm-reference-{dtype}", inputs, compute)
     return json.loads((path / "scores.json").read_text())
 

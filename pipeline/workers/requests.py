@@ -83,6 +83,7 @@ class VllmValidate(Scored):
     model_dir: str
     dtype: str
     gpu_memory_utilization: float
+    tensor_parallel_size: int = 1
 
 
 class SglangValidate(Scored):
@@ -91,6 +92,7 @@ class SglangValidate(Scored):
     dtype: str
     mem_fraction_static: float
     attention_backend: str | None
+    tp_size: int = 1
 
 
 class TrtllmValidate(Scored):

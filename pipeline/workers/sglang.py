@@ -35,7 +35,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     # Scoring needs the numbers, not the fastest start: no CUDA graph capture.
-    settings = {"disable_cuda_graph": True}
+    settings: dict[str, Any] = {"disable_cuda_graph": True, "tp_size": req.get("tp_size", 1)}
     if req.get("attention_backend"):
         settings["attention_backend"] = req["attention_backend"]
     t0 = time.perf_counter()

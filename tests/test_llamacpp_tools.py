@@ -139,3 +139,29 @@ def test_gated_numbers_that_disagree_with_llama_perplexity_fail_naming_both() ->
     both = disagreements(scores(21.0, 17.0), by_llama)
     assert len(both) == 2 and "the reference's PPL 17.0000" in both[1] and "16.0000" in both[1]
     assert disagreements(scores(float("nan"), 16.0), by_llama)  # NaN never agrees
+
+
+# llama-perplexity's output when it stopped after the first chunk (a fresh-clone CI run, exit 0)
+_STOPPED = "chunk  PPL ...\n   1    49164.7059 ± 1285.4348 ...\nkl_divergence: 0.20 seconds per pass - ETA\n"
+_WHOLE = (
+    "Mean PPL(Q)                   :  10.5 ± 0.1\nMean PPL(base)                :  10.0 ± 0.1\n"
+    "Mean ln(PPL(Q)/PPL(base))     :   0.048 ± 0.01\nMean    KLD:   0.02 ± 0.001\n"
+    "Maximum KLD:   1.5\n99.0%   KLD:   0.3\nMedian  KLD:   0.01\nSame top p:  95.0 ± 0.5 %\n"
+    "kl_divergence: computing over 2 chunks\n"
+)
+
+
+def test_a_kld_run_that_stops_without_its_statistics_runs_once_more_then_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pipeline.workers import llamacpp
+
+    outputs = [_STOPPED, _WHOLE]
+    monkeypatch.setattr(llamacpp, "_run_tool", lambda cmd, what: outputs.pop(0))
+    monkeypatch.setattr(llamacpp, "tool", lambda name: Path(name))
+    req = {"gguf_path": "q.gguf", "kld_base_path": "base.bin", "ctx": 128}
+    got = llamacpp.op_kld(req)
+    assert got["runs"] == 2 and got["kld_mean"] == 0.02 and got["chunks"] == 2 and outputs == []
+    outputs[:] = [_STOPPED, _STOPPED]
+    with pytest.raises(RuntimeError, match=r"printed no PPL\(Q\) in 2 runs: .*ETA"):
+        llamacpp.op_kld(req)

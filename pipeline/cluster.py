@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import tempfile
 import time
 import uuid
@@ -41,7 +40,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pipeline.artifacts import build_lock, cached_step, read_key, remove_path, sweep_leftovers, verify_files
 from pipeline.constants import ENV_GUIDELLM, ENV_TRANSFORMERS, STATUS_UNAVAILABLE
 from pipeline.context import NullReporter, Reporter
-from pipeline.environments import ENVIRONMENTS
+from pipeline.environments import ENVIRONMENTS, local_gpu_arch
 from pipeline.errors import BuildError, EngineError, PipelineError
 from pipeline.manifest import Manifest
 from pipeline.project import Project, TargetResult
@@ -64,19 +63,6 @@ def node_resources(slots: int = 1) -> dict[str, float]:
     if (arch := local_gpu_arch()) is not None:
         resources[RESOURCE_GPU + arch] = 1.0
     return resources
-
-
-def local_gpu_arch() -> str | None:
-    """This host's first NVIDIA GPU as `sm<major><minor>` (nvidia-smi), or None."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
-        ).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    first = out.strip().splitlines()[0] if out.strip() else ""
-    return "sm" + first.replace(".", "") if first else None
 
 
 def requirements(project: Project, name: str, spec: Target) -> dict[str, float]:

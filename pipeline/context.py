@@ -15,7 +15,7 @@ from pipeline.artifacts import Layout, cached_step, read_key
 from pipeline.constants import ENGINES, ENV_TRANSFORMERS
 from pipeline.environments import StepUsage, check_step_request, environment_exists, run_step
 from pipeline.hashing import file_sha256, json_sha256
-from pipeline.source import ResolvedSource
+from pipeline.source import ResolvedSource, model_config
 from pipeline.spec import CalibrationOverride, LoadedRecipe, TargetSpec
 from pipeline.workers.calibration import SELECTION_VERSION
 from pipeline.workers.scoring import EVAL_CONVENTION
@@ -91,9 +91,7 @@ class BuildContext:
                 if environment_exists(env):
                     dists = preflight.ENGINE_DISTS[engine]
                     versions |= {d: v for d, v in self.versions(env).items() if v and d in dists}
-            config_path = self.source.path / "config.json"
-            config = json.loads(config_path.read_text()) if config_path.is_file() else None
-            config = config.get("text_config", config) if config and "hidden_size" not in config else config
+            config = model_config(self.source.path / "config.json")
             host = preflight.host(versions=versions, tp_size=self.loaded.recipe.serve.tp_size)
             self._preflight[name] = {e: preflight.predict(name, target, e, host, config) for e in engines}
         return self._preflight[name]

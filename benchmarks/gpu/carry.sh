@@ -41,6 +41,7 @@ case "${1:-}" in
       cat triton-cache.tgz.part-* > triton-cache.tgz && rm triton-cache.tgz.part-*
       tar -C "$HOME" -xzf triton-cache.tgz && echo "JIT caches: $(tar -tzf triton-cache.tgz | wc -l) files"
     fi
+    echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-} (set: the sites are compiled here)"
     for dir in wheels/*/; do
       env=$(basename "$dir")
       site=/tmp/pipeline-site/$env
@@ -54,10 +55,11 @@ case "${1:-}" in
       [ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" $wheels
       # llama-cpp-python's wheel (py3-none-linux_x86_64) holds ctypes code and its shared libraries
       for w in "$dir"llama_cpp_python-*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" "$site"; done
-      # bytecode for every module, now (all cores): where PYTHONDONTWRITEBYTECODE is set, each step
+      # bytecode for every module, now (all cores), where PYTHONDONTWRITEBYTECODE is set: each step
       # process would compile what it imports from source again (on the 2-core CPU host that was
-      # 15 s per vLLM process; every engine start is three). Files for other Pythons fail: ignored.
-      python3 -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
+      # 15 s per vLLM process; every engine start is three). Without it the first import writes
+      # it. Files for other Pythons fail: ignored.
+      [ -n "${PYTHONDONTWRITEBYTECODE:-}" ] && { python3 -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true; }
       [ -d "$dir/llama.cpp" ] && rm -rf /tmp/pipeline-site/llama.cpp && cp -r "$dir/llama.cpp" /tmp/pipeline-site/llama.cpp
       mkdir -p "/tmp/pipeline-envs/$env"
       extra=""; [ "$env" != core ] && extra=":/tmp/pipeline-site/core"

@@ -18,7 +18,7 @@
 #                                           other), and beside them the tests mode; logs under
 #                                           /tmp/pipeline-bg, results h200-DATE-<stream>.json
 #                                           (TESTS_FIRST=1: the tests alone first, then the
-#                                           streams)
+#                                           streams; TESTS=none: the streams alone)
 #   benchmarks/gpu/run_h200.sh wait [S]     until `start`'s runs have ended or S seconds (default 570)
 #                                           have passed, then the tests' results so far and their log
 #                                           in $OUT (polling calls back to back end early when done)
@@ -73,6 +73,8 @@ case "${1:-}" in
     if [ "${TESTS_FIRST:-0}" = 1 ]; then  # the GPU tests alone, then the streams (2026-12-03: the
       # tests' vLLM engines, at 0.15 of the GPU, could not start beside two 7B streams)
       setsid nohup benchmarks/gpu/run_h200.sh tests-then-streams "${@:2}" >"$BG/chain.log" 2>&1 </dev/null &
+    elif [ "${TESTS:-}" = none ]; then  # the streams alone: a raw ratio with the GPU to itself
+      streams "$@"
     else
       streams "$@"
       OUT=$BG/tests LIMIT_S=7200 setsid nohup benchmarks/gpu/run_h200.sh tests >"$BG/tests.log" 2>&1 </dev/null &
@@ -106,8 +108,11 @@ case "${1:-}" in
     tar -C "$c" -czf "$OUT/collect.tgz" .
     # for the next host (carry.sh). ~/.triton alone did not shorten SGLang's first start (427 s on
     # 2026-12-03 with it carried, and it did not grow): the JIT caches under ~/.cache come too
-    caches=$(cd "$HOME" && ls -d .triton .cache/flashinfer .cache/sglang .cache/tvm-ffi .cache/torch_extensions .cache/vllm 2>/dev/null)
+    caches=$(cd "$HOME" && ls -d .triton .cache/flashinfer .cache/sglang .cache/tvm-ffi .cache/torch_extensions .cache/vllm .nv 2>/dev/null)
     (cd "$HOME" && du -sh $caches 2>/dev/null)
+    # every cache a first engine start may fill (2026-12-04: the host's first vLLM engine spent
+    # 126 s in its warm-up, 3.6 s later, and none of the carried caches above grew)
+    du -sh "$HOME"/.cache/* "$HOME"/.nv /tmp/torchinductor_* /tmp/*triton* 2>/dev/null
     # in parts of 15 MiB: a file over 16 MiB does not come back (2026-12-04: ~55 MiB unpacked, with
     # ~/.cache/tvm-ffi grown from 4.6 to 27 MiB during SGLang's first validation: left out whole)
     # shellcheck disable=SC2086  # one word per cache directory

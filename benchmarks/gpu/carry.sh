@@ -26,8 +26,9 @@ case "${1:-}" in
     ;;
   append)
     mkdir -p "$SCRATCH"
-    cp .whl/part.* "$SCRATCH"/
-    for f in .whl/bundle.sha256 .whl/triton-cache.tgz.part-*; do [ -f "$f" ] && cp "$f" "$SCRATCH"/; done
+    # whatever this call carried: a part, the checksum, the caches (2026-12-05: a call carrying only
+    # the checksum and the caches stopped at a missing part.* and copied neither)
+    for f in .whl/part.* .whl/bundle.sha256 .whl/triton-cache.tgz.part-*; do [ -f "$f" ] && cp "$f" "$SCRATCH"/; done
     ls -la "$SCRATCH"
     ;;
   install)

@@ -37,6 +37,7 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from pipeline import reaper
 from pipeline.artifacts import build_lock, cached_step, read_key, remove_path, sweep_leftovers, verify_files
 from pipeline.constants import ENV_GUIDELLM, ENV_TRANSFORMERS, STATUS_UNAVAILABLE
 from pipeline.context import NullReporter, Reporter
@@ -110,9 +111,10 @@ def why_no_node(need: dict[str, float], nodes: list[Node]) -> str:
     )
 
 
-def connect(address: str) -> None:
+def connect(address: str) -> str | None:
     """Join the cluster at `address` (`auto`: the `ray start` cluster of this host), or start one
-    in this process (`local`) that advertises this host's resources."""
+    in this process (`local`) that advertises this host's resources. A local node's processes carry
+    a mark (returned) that pipeline.reaper ends them by, when this process is gone or done."""
     host, _, port = address.rpartition(":")
     if host and port.isdigit() and "://" not in address:  # Ray itself would retry for minutes
         try:
@@ -122,8 +124,12 @@ def connect(address: str) -> None:
                 f"cannot join the Ray cluster at {address!r}: nothing answers there ({exc.strerror or exc}); "
                 "start its head with `ray start --head`"
             ) from None
+    mark = None
     try:
         if address == "local":
+            mark = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            os.environ[reaper.MARK] = mark  # inherited by the node Ray starts, not kept after
+            reaper.start_watcher(mark)
             ray.init(
                 address="local", resources=node_resources(), include_dashboard=False,
                 log_to_driver=False, configure_logging=False,
@@ -133,6 +139,9 @@ def connect(address: str) -> None:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise EngineError(f"cannot join the Ray cluster at {address!r}: {first}") from None
+    finally:
+        os.environ.pop(reaper.MARK, None)
+    return mark
 
 
 @dataclass
@@ -322,12 +331,15 @@ def build_on_cluster(
     project: Project, address: str, names: list[str] | None = None, *, force: bool = False,
     reporter: Reporter | None = None, threads: int = 0,
 ) -> list[TargetResult]:  # fmt: skip
-    """`pipeline build --cluster ADDRESS`: join (or start) the cluster, build, leave."""
-    connect(address)
+    """`pipeline build --cluster ADDRESS`: join (or start) the cluster, build, leave (a local
+    node's last processes ended with it)."""
+    mark = connect(address)
     try:
         return ClusterBuild(project, reporter, threads).run(names, force)
     finally:
         ray.shutdown()
+        if mark:
+            reaper.end_marked(mark)
 
 
 # --- what runs on the nodes -----------------------------------------------------------------

@@ -192,3 +192,45 @@ def test_dvc_repro_builds_its_stage_on_a_local_cluster_advertising_this_host(
     status = subprocess.run([dvc, "status"], cwd=project_dir, capture_output=True, text=True, env=env)
     assert "up to date" in status.stdout, status.stdout
     assert [r.outcome for r in Project.open(recipe).build()] == ["up-to-date"]
+
+
+DRIVER = """
+import sys, time
+from pipeline.cluster import connect
+print(connect("local"), flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_killed_local_driver_leaves_none_of_its_nodes_processes(tmp_path: Path) -> None:
+    """`kill -9` of a `--cluster local` driver: its GCS and raylet die with it, and the watcher
+    ends the rest (Ray's dashboard and runtime-env agents alone lived on for ~75 s), marked
+    processes only: an unmarked process of the same name lives."""
+    from pipeline.reaper import marked
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        assert driver.stdout is not None
+        mark = driver.stdout.readline().strip()
+        assert mark, "the driver printed no mark"
+        deadline = time.monotonic() + 30
+        while len(marked(mark)) < 3:  # GCS, raylet and the agents start one after another
+            assert time.monotonic() < deadline, f"marked after 30 s: {marked(mark)}"
+            time.sleep(0.2)
+        names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in marked(mark)}
+        assert {"gcs_server", "raylet"} <= names, names
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while left := marked(mark):
+            assert time.monotonic() < deadline, f"still alive 15 s after the driver: {left}"
+            time.sleep(0.2)
+        assert stranger.poll() is None
+    finally:
+        driver.kill()
+        stranger.kill()
+        stranger.wait()

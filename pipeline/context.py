@@ -16,7 +16,7 @@ from pipeline.constants import ENGINES, ENV_TRANSFORMERS
 from pipeline.environments import StepUsage, check_step_request, environment_exists, run_step
 from pipeline.hashing import file_sha256, json_sha256
 from pipeline.source import ResolvedSource, model_config
-from pipeline.spec import CalibrationOverride, LoadedRecipe, TargetSpec
+from pipeline.spec import CalibrationOverride, LoadedRecipe, ServeSpec, TargetSpec
 from pipeline.workers.calibration import SELECTION_VERSION
 from pipeline.workers.scoring import EVAL_CONVENTION
 
@@ -58,6 +58,12 @@ class BuildContext:
 
     def log_path(self, name: str) -> Path:
         return self.layout.logs_dir / f"{name}.log"
+
+    def serve(self, name: str) -> ServeSpec:
+        """The serve knobs target `name` is validated and served with (the recipe's, with the
+        target's own tp_size); the recipe's for a name that is not one of its targets."""
+        r = self.loaded.recipe
+        return r.targets[name].serve_spec(r.serve) if name in r.targets else r.serve
 
     def step(
         self, env: str, request: dict[str, Any], log: str, timeout_s: float | None = None

@@ -24,8 +24,6 @@ from pipeline.artifacts import (
     write_json_atomic,
 )
 from pipeline.constants import (
-    ENGINE_SGLANG,
-    ENGINE_VLLM,
     ENV_GUIDELLM,
     MANIFEST_NAME,
     MANIFEST_SCHEMA,
@@ -267,7 +265,7 @@ class Project:
         toolchain = {env: ctx.versions(env) for env in spec.recorded_environments()}
         if self.loaded.recipe.serving_benchmark.benchmarks(name) and environment_exists(ENV_GUIDELLM):
             toolchain[ENV_GUIDELLM] = ctx.versions(ENV_GUIDELLM)  # the load generator's numbers
-        serve_command = spec.serve_command(self.loaded.recipe.serve)
+        serve_command = spec.serve_command(spec.serve_spec(self.loaded.recipe.serve))
         inputs = inputs_sha256(ctx, name, spec, toolchain, serve_command)
         return TargetInputs(toolchain, serve_command, inputs)
 
@@ -311,7 +309,7 @@ class Project:
                 ),
                 validation=validation,
                 serve=ServeInfo(
-                    command=inputs.serve_command, tp_size=_tp_size(spec, self.loaded.recipe.serve.tp_size)
+                    command=inputs.serve_command, tp_size=spec.serve_spec(self.loaded.recipe.serve).tp_size
                 ),
                 serving=serving,
                 gguf=built.gguf,
@@ -416,15 +414,6 @@ def _passes(artifact_dir: Path) -> bool:
         return read_manifest(artifact_dir).validation.status == STATUS_PASSED
     except RegistryError:
         return False
-
-
-def _tp_size(spec: Target, serve_tp: int) -> int:
-    """The GPUs an artifact's serve command shards it over: a TensorRT-LLM engine's own `tp_size`,
-    the recipe's `serve.tp_size` for vLLM and SGLang, 1 for llama.cpp."""
-    own = getattr(spec, "tp_size", None)
-    if own:
-        return int(own)
-    return serve_tp if spec.primary_engine() in (ENGINE_VLLM, ENGINE_SGLANG) else 1
 
 
 def _record_preflight(validation: Validation, predicted: dict[str, Prediction]) -> None:

@@ -55,7 +55,7 @@ def benchmark(
             ENV_GUIDELLM,
             {
                 "op": "benchmark",
-                "argv": local_argv(serve_argv, ctx.loaded.recipe.serve, port),
+                "argv": local_argv(serve_argv, ctx.serve(name), port),
                 "python": interpreter(engine_env),
                 "server_env": ENGINES[engine].server_env,
                 "model_dir": str(artifact),

@@ -138,6 +138,8 @@ class LlamaCppServe(Strict):
     # llama-cpp-python's default (True) cuts a streamed answer short as soon as another request
     # waits (seen under the serving benchmark: 1-token answers at concurrency 4); False queues them.
     interrupt_requests: bool = False
+    # over tp_size > 1 GPUs: whole layers per GPU (llama.cpp's default) or rows of each matrix
+    split_mode: Literal["layer", "row"] = "layer"
 
 
 class VllmServe(Strict):
@@ -250,10 +252,21 @@ class TargetSpec(Strict):
 
     kind: str
     gates: Gates
+    # GPUs this target's server shards it over (vLLM --tensor-parallel-size, SGLang --tp, llama.cpp
+    # --split_mode/--tensor_split), validation included; None: the recipe's serve.tp_size. Left out
+    # of the spec's dump (so no inputs hash moved): the serve command and manifest serve.tp_size
+    # carry it. TensorRT-LLM's target redeclares it: an engine is built for its size.
+    tp_size: int | None = Field(None, ge=1, le=64, exclude=True)
 
     @property
     def needs_calibration(self) -> bool:
         return False
+
+    def serve_spec(self, serve: ServeSpec) -> ServeSpec:
+        """The recipe's serve knobs as this target is served: its own tp_size where it sets one."""
+        if self.tp_size is None or self.tp_size == serve.tp_size:
+            return serve
+        return serve.model_copy(update={"tp_size": self.tp_size})
 
     def check(self, config: dict[str, Any] | None) -> list[str]:
         """Recipe-time problems (`key: why`) given the source's config.json, when it is known."""

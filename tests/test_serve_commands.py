@@ -99,3 +99,60 @@ def test_cpu_tensor_parallel_workers_each_get_a_slice_of_the_cores() -> None:
         RuntimeError, match="tensor_parallel_size 4 needs at least 4 CPU cores; this process has 2"
     ):
         cpu_binding(4, [0, 1])
+
+
+def test_a_targets_own_tp_size_beats_the_recipes_and_moves_no_inputs_hash() -> None:
+    """A target's `tp_size` is the GPUs its server shards it over, whatever `serve.tp_size` says:
+    vLLM and SGLang's tensor parallelism, llama.cpp's split over GPUs, trtllm-serve's. Unset,
+    the spec dumps as before (its inputs hash unchanged); the serve command carries the size."""
+    gates = {"max_ppl_delta_pct": 10, "max_kld_topk_mean": 1}
+    awq = KINDS["awq"].model_validate({"kind": "awq", "gates": gates, "tp_size": 4})
+    plain = KINDS["awq"].model_validate({"kind": "awq", "gates": gates})
+    assert "tp_size" not in plain.model_dump() and "tp_size" not in awq.model_dump()
+    recipe_serve = ServeSpec(tp_size=2)
+    assert plain.serve_spec(recipe_serve) is recipe_serve and awq.serve_spec(recipe_serve).tp_size == 4
+    argv = awq.serve_argv(awq.serve_spec(ServeSpec()))
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "4"
+    fp4 = KINDS["modelopt"].model_validate(
+        {"kind": "modelopt", "quant": "int4_awq", "gates": FULL_KL, "tp_size": 2}
+    )
+    argv = fp4.serve_argv(fp4.serve_spec(ServeSpec()))
+    assert argv[0] == "trtllm-serve" and argv[argv.index("--tp_size") + 1] == "2"
+    # TensorRT-LLM's engine is built for its own size, 1 unless set
+    trt = KINDS["trtllm"].model_validate(
+        {"kind": "trtllm", "quant": "fp16", "gpu_arch": "sm90", "gates": FULL_KL}
+    )
+    assert trt.serve_spec(recipe_serve).tp_size == 1 and trt.model_dump()["tp_size"] == 1
+
+
+@pytest.mark.parametrize(("mode", "number"), [("layer", 1), ("row", 2)])
+def test_a_gguf_over_several_gpus_gets_llama_cpp_servers_split_flags(mode: str, number: int) -> None:
+    """llama-cpp-python's own server parser takes the flags: `--split_mode` 1 (whole layers per
+    GPU) or 2 (rows of each matrix), `--tensor_split` even shares over tp_size GPUs; at 1, none."""
+    import argparse
+
+    from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
+    from llama_cpp.server.settings import ModelSettings, Settings
+
+    gguf = KINDS["gguf"].model_validate({"kind": "gguf", "quant": "Q8_0", "gates": FULL_KL, "tp_size": 3})
+    assert "--split_mode" not in gguf.serve_argv(ServeSpec())
+    argv = gguf.serve_argv(gguf.serve_spec(ServeSpec(llamacpp={"split_mode": mode})))
+    parser = argparse.ArgumentParser()
+    add_args_from_model(parser, Settings)
+    settings = parse_model_from_args(ModelSettings, parser.parse_args(argv[3:]))
+    assert settings.split_mode == number and settings.tensor_split == [1.0, 1.0, 1.0]
+
+
+def test_the_build_context_gives_each_target_its_own_serve_knobs(tmp_path: Path) -> None:
+    """What validation, the serve check and the benchmark read (BuildContext.serve): the target's
+    tp_size over the recipe's; the recipe's own knobs for a name that is not a target."""
+    from pipeline.project import Project
+    from tests.conftest import empty_checkpoint, write_recipe
+
+    empty_checkpoint(tmp_path / "model")
+    awq = {"kind": "awq", "gates": {"max_ppl_delta_pct": 10, "max_kld_topk_mean": 1}}
+    recipe = write_recipe(
+        tmp_path / "r.yaml", serve={"tp_size": 2}, targets={"wide": {**awq, "tp_size": 4}, "plain": awq}
+    )
+    ctx = Project.open(recipe).context()
+    assert [ctx.serve(n).tp_size for n in ("wide", "plain", "not-a-target")] == [4, 2, 2]

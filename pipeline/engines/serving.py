@@ -72,7 +72,7 @@ def serve_check(
     `eager_flag` is the server's flag that makes it eager too."""
     ref, _ = ctx.reference()
     expected = scores["generations"][0]
-    serve, port = ctx.loaded.recipe.serve, free_port()
+    serve, port = ctx.serve(name), free_port()
     deployed = serve_argv(serve)
     as_deployed = eager_flag in deployed
     eager = [] if as_deployed else [eager_flag]

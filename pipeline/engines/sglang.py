@@ -49,7 +49,8 @@ def validate(
     """SGLang's verdict; `skipped` without its environment, or where the preflight says this SGLang
     cannot load the checkpoint (`predicted`: pipeline.preflight), instead of minutes of JIT and a
     crash."""
-    command = command_line(serve_argv(ctx.loaded.recipe.serve, quantization, dtype))
+    serve = ctx.serve(name)
+    command = command_line(serve_argv(serve, quantization, dtype))
     details = {"quantization": quantization, "command": command}
     env = environment(ENV_SGLANG)
     if not env.exists:
@@ -76,9 +77,9 @@ def validate(
                 "reference": ref,
                 "reference_dir": str(ref_dir),
                 "max_new_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
-                "mem_fraction_static": ctx.loaded.recipe.serve.sglang.mem_fraction_static,
-                "attention_backend": ctx.loaded.recipe.serve.sglang.attention_backend,
-                "tp_size": ctx.loaded.recipe.serve.tp_size,
+                "mem_fraction_static": serve.sglang.mem_fraction_static,
+                "attention_backend": serve.sglang.attention_backend,
+                "tp_size": serve.tp_size,
             },
             name,
             timeout_s=VALIDATE_TIMEOUT_S,

@@ -36,7 +36,7 @@ def serve_argv(serve: ServeSpec, quantization: str | None, dtype: str) -> list[s
     return argv
 
 
-def _score(ctx: BuildContext, log: str, model_dir: Path, dtype: str) -> dict[str, Any]:
+def _score(ctx: BuildContext, log: str, model_dir: Path, dtype: str, serve: ServeSpec) -> dict[str, Any]:
     ref, ref_dir = ctx.reference()
     r = ctx.loaded.recipe
     return ctx.step(
@@ -48,25 +48,27 @@ def _score(ctx: BuildContext, log: str, model_dir: Path, dtype: str) -> dict[str
             "reference": ref,
             "reference_dir": str(ref_dir),
             "max_new_tokens": r.smoke.max_new_tokens,
-            "gpu_memory_utilization": r.serve.vllm.gpu_memory_utilization,
-            "tensor_parallel_size": r.serve.tp_size,
+            "gpu_memory_utilization": serve.vllm.gpu_memory_utilization,
+            "tensor_parallel_size": serve.tp_size,
         },
         log,
         timeout_s=VALIDATE_TIMEOUT_S,
     )
 
 
-def engine_reference(ctx: BuildContext, dtype: str) -> dict[str, Any]:
-    """The unquantized source scored in vLLM at `dtype` (cached per reference and vLLM version)."""
+def engine_reference(ctx: BuildContext, dtype: str, serve: ServeSpec) -> dict[str, Any]:
+    """The unquantized source scored in vLLM at `dtype` and the tensor-parallel size of `serve`
+    (cached per reference, vLLM version and size)."""
+    log = "vllm-reference" + (f"-tp{serve.tp_size}" if serve.tp_size > 1 else "")
 
     def compute(tmp: Path) -> None:
         ctx.reporter.step("reference", "scoring the unquantized source in vLLM")
-        (tmp / "scores.json").write_text(json.dumps(_score(ctx, "vllm-reference", ctx.source.path, dtype)))
+        (tmp / "scores.json").write_text(json.dumps(_score(ctx, log, ctx.source.path, dtype, serve)))
 
     inputs = {"reference": ctx.reference_key(), "dtype": dtype, "toolchain": ctx.versions(ENV_VLLM)}
-    tp = ctx.loaded.recipe.serve.tp_size
+    tp = serve.tp_size
     inputs |= {"tensor_parallel_size": tp} if tp > 1 else {}  # sharded sums round differently
-    path = ctx.cached(f"vllm-reference-{dtype}", inputs, compute)
+    path = ctx.cached(f"vllm-reference-{dtype}" + (f"-tp{tp}" if tp > 1 else ""), inputs, compute)
     return json.loads((path / "scores.json").read_text())
 
 
@@ -98,9 +100,10 @@ def validate(
     if unsupported:
         return not_run("skipped", unsupported)
     ref, _ = ctx.reference()
-    source = engine_reference(ctx, dtype)
+    serve = ctx.serve(name)
+    source = engine_reference(ctx, dtype, serve)
     ctx.reporter.step(name, "validating in vLLM")
-    got = _score(ctx, name, artifact, dtype)
+    got = _score(ctx, name, artifact, dtype, serve)
     extra = {
         "startup_s": got["startup_s"],
         "ppl_engine_ref": source["ppl"],

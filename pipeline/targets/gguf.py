@@ -270,6 +270,9 @@ class GgufTarget(Target):
         argv = ["python", "-m", "llama_cpp.server", "--model", f"{ARTIFACT_DIR}/{GGUF_FILE}"]
         argv += ["--host", serve.host, "--port", str(serve.port), "--n_ctx", str(knobs.n_ctx)]
         argv += ["--n_gpu_layers", str(knobs.n_gpu_layers)]
+        if serve.tp_size > 1:  # llama.cpp's modes: 1 whole layers per GPU, 2 rows of each matrix
+            argv += ["--split_mode", "1" if knobs.split_mode == "layer" else "2"]
+            argv += ["--tensor_split", *["1"] * serve.tp_size]  # even shares of the first tp_size GPUs
         argv += ["--n_threads", str(knobs.n_threads)] if knobs.n_threads else []
         argv += ["--interrupt_requests", str(knobs.interrupt_requests)]
         return argv

@@ -155,4 +155,5 @@ class ModeloptTarget(Target):
         argv = ["trtllm-serve", ARTIFACT_DIR, "--backend", "pytorch", "--host", serve.host]
         argv += ["--port", str(serve.port), "--max_seq_len", str(serve.trtllm.max_seq_len)]
         argv += ["--kv_cache_free_gpu_memory_fraction", str(serve.trtllm.kv_cache_free_gpu_memory_fraction)]
+        argv += ["--tp_size", str(serve.tp_size)] if serve.tp_size > 1 else []
         return argv

@@ -146,6 +146,7 @@ class StepUsage:
     peak_rss_mib: float
     peak_gpu_mib: float | None
     others_cpu_share: float | None = None  # UsageSampler.others_cpu_share: the host's contention
+    peak_gpu_mib_each: list[float] | None = None  # per GPU, on a host with several (None: one or none)
 
 
 def check_step_request(env: str, request: dict[str, Any]) -> None:
@@ -283,7 +284,7 @@ def run_step(
                             StepUsage(
                                 env, op, log_path.stem, round(time.perf_counter() - t0, 2),
                                 round(sampler.peak_rss / 2**20, 1), sampler.peak_gpu_mib,
-                                sampler.others_cpu_share(),
+                                sampler.others_cpu_share(), sampler.peak_gpu_mib_each(),
                             )
                         )  # fmt: skip
                 _kill_group(proc)  # whatever the step left running (a server it started)

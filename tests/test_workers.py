@@ -388,7 +388,7 @@ def test_engine_steps_on_a_gpu_host_wait_for_each_other(
         "ppl": 1.0, "generations": [], "startup_s": 0.0, "quantization": None, "device": "cpu",
         "engine_env": {}, "settings": {}, "first_generation_top_logprobs": [],
     }))  # fmt: skip
-    body = f"date +%s.%N > {started}; for arg; do res=$arg; done; cp {reply} \"$res\""
+    body = f'date +%s.%N > {started}; for arg; do res=$arg; done; cp {reply} "$res"'
     monkeypatch.setenv("PIPELINE_VLLM_PYTHON", _script(tmp_path / "py", body))
     with open(lock_path, "a+") as holder:  # another build's engine holds the GPU
         fcntl.flock(holder, fcntl.LOCK_EX)
@@ -414,3 +414,24 @@ def test_engine_steps_on_a_gpu_host_wait_for_each_other(
     )
     assert usage[0].seconds < 1.5  # the step's time (and its limit) began after the 1.5 s wait
     assert lock_path.read_text() == ""  # released, naming nobody
+
+
+def test_gpu_peaks_are_summed_and_kept_per_gpu_where_a_host_has_several(tmp_path: Path) -> None:
+    """The sampler reads nvidia-smi's per-GPU used memory: the step's peak GPU MiB is the peak of
+    the sum (as before), and on a host with several GPUs each GPU's own peak is kept, the peaks of
+    different moments (a sharded engine's per-GPU need); one GPU or none: no per-GPU list."""
+    from pipeline.workers.protocol import UsageSampler, gpu_memory_used_mib
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '1024\\n 80\\n'\n")
+    smi.chmod(0o755)
+    assert gpu_memory_used_mib(str(smi)) == (1024.0, 80.0)
+    sampler = UsageSampler(os.getpgrp(), interval_s=0.5)
+    sampler.samples = [(1.0, 10, (100.0, 900.0), 0.0), (2.0, 30, (700.0, 200.0), 0.0), (3.0, 20, None, 0.0)]
+    assert sampler.peaks() == (30, 1000.0)
+    assert sampler.peak_gpu_mib_each() == [700.0, 900.0]
+    assert sampler.peak_gpu_mib_each(1.9, 2.1) == [700.0, 200.0]  # one sample's window
+    sampler.samples = [(1.0, 10, (500.0,), 0.0)]
+    assert sampler.peaks() == (10, 500.0) and sampler.peak_gpu_mib_each() is None
+    sampler.samples = [(1.0, 10, None, 0.0)]
+    assert sampler.peaks() == (10, None) and sampler.peak_gpu_mib_each() is None

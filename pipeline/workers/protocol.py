@@ -86,28 +86,29 @@ def group_rss_bytes(pgid: int) -> int:
     return total
 
 
-def gpu_memory_used_mib(nvidia_smi: str) -> float | None:
-    """Memory used on the GPUs, summed (MiB), or None when nvidia-smi does not answer."""
+def gpu_memory_used_mib(nvidia_smi: str) -> tuple[float, ...] | None:
+    """Memory used on each GPU of the host, in nvidia-smi's index order (MiB), or None when
+    nvidia-smi does not answer."""
     try:
         out = subprocess.run(
             [nvidia_smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=10, check=True,
         ).stdout  # fmt: skip
-        return float(sum(float(v) for v in out.split()))
+        return tuple(float(v) for v in out.split()) or None
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
 
 
 class UsageSampler:
-    """Samples a process group's summed RSS (from /proc), the GPUs' used memory (nvidia-smi,
+    """Samples a process group's summed RSS (from /proc), each GPU's used memory (nvidia-smi,
     device-wide; None without one) and the CPU time every other process of the host used (outside
     that group and the sampler's own), every interval_s in a thread while in use (`with`). Keeps
     every sample, so a caller can ask for a time window's peaks and contention (one load level)."""
 
     def __init__(self, pgid: int, interval_s: float = 0.5) -> None:
         self.pgid, self.interval_s = pgid, interval_s
-        # (time.time(), rss bytes, gpu MiB, other processes' CPU seconds since the first sample)
-        self.samples: list[tuple[float, int, float | None, float]] = []
+        # (time.time(), rss bytes, MiB per GPU, other processes' CPU seconds since the first sample)
+        self.samples: list[tuple[float, int, tuple[float, ...] | None, float]] = []
         self._nvidia_smi = shutil.which("nvidia-smi")
         self._mine = os.getpgrp()
         self._others: dict[int, int] = {}  # pid -> its CPU ticks when last seen
@@ -165,13 +166,25 @@ class UsageSampler:
             self._others_s += ticks / os.sysconf("SC_CLK_TCK")
         self._others = seen
 
-    def peaks(self, start: float = 0.0, end: float = float("inf")) -> tuple[int, float | None]:
-        """Peak RSS (bytes) and GPU MiB between start and end, widened by one and a half intervals
-        (a window may be shorter than one)."""
+    def _inside(self, start: float, end: float) -> list[tuple[int, tuple[float, ...] | None]]:
+        """(rss, MiB per GPU) of the samples between start and end, widened by one and a half
+        intervals (a window may be shorter than one)."""
         slack = self.interval_s * 1.5
-        inside = [(rss, gpu) for t, rss, gpu, _ in self.samples if start - slack <= t <= end + slack]
-        gpus = [gpu for _, gpu in inside if gpu is not None]
+        return [(rss, gpu) for t, rss, gpu, _ in self.samples if start - slack <= t <= end + slack]
+
+    def peaks(self, start: float = 0.0, end: float = float("inf")) -> tuple[int, float | None]:
+        """Peak RSS (bytes) and peak GPU MiB, all GPUs summed, between start and end."""
+        inside = self._inside(start, end)
+        gpus = [sum(gpu) for _, gpu in inside if gpu is not None]
         return max((rss for rss, _ in inside), default=0), max(gpus) if gpus else None
+
+    def peak_gpu_mib_each(self, start: float = 0.0, end: float = float("inf")) -> list[float] | None:
+        """Each GPU's own peak MiB between start and end (a sharded engine's per-GPU need), in
+        nvidia-smi's index order; None without a GPU or on one GPU (the sum says it)."""
+        gpus = [gpu for _, gpu in self._inside(start, end) if gpu is not None]
+        if not gpus or len(gpus[0]) < 2:
+            return None
+        return [max(sample[i] for sample in gpus if len(sample) > i) for i in range(len(gpus[0]))]
 
     def others_cpu_share(self, start: float = 0.0, end: float = float("inf")) -> float | None:
         """The share of the host's CPUs that other processes used between start and end (0: the

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.workers.protocol import last_error_line
-from pipeline.workers.reference import choose_placement, count_parameters
+from pipeline.workers.reference import choose_placement, count_parameters, spread_over_gpus
 from pipeline.workers.serving import first_divergence
 from pipeline.workers.vllm import check_version, release
 
@@ -17,25 +17,51 @@ QWEN2_7B = 7_615_616_512
 
 
 def test_a_7b_reference_runs_in_float32_on_an_h200() -> None:
-    place = choose_placement(QWEN2_7B, gpu_free=139 * GIB, host_free=120 * GIB)
+    place = choose_placement(QWEN2_7B, gpus_free=[139 * GIB], host_free=120 * GIB)
     assert (place["device"], place["dtype"]) == ("cuda", "float32")
 
 
 def test_a_7b_reference_on_a_24_gib_cpu_host_drops_to_bfloat16() -> None:
-    place = choose_placement(QWEN2_7B, gpu_free=None, host_free=23 * GIB)
+    place = choose_placement(QWEN2_7B, gpus_free=[], host_free=23 * GIB)
     assert (place["device"], place["dtype"]) == ("cpu", "bfloat16")
     assert place["need_gib"] < 0.8 * 23
 
 
 def test_a_small_gpu_sends_the_reference_to_the_cpu() -> None:
-    place = choose_placement(QWEN2_7B, gpu_free=8 * GIB, host_free=100 * GIB)
+    place = choose_placement(QWEN2_7B, gpus_free=[8 * GIB], host_free=100 * GIB)
     assert (place["device"], place["dtype"]) == ("cpu", "float32")
 
 
 def test_a_model_that_fits_nowhere_is_one_line_naming_the_sizes() -> None:
     message = r"7\.62B parameters: 14\.2 GiB in bfloat16 .*\(host 12\.0 GiB, no GPU"
     with pytest.raises(MemoryError, match=message):
-        choose_placement(QWEN2_7B, gpu_free=None, host_free=12 * GIB)
+        choose_placement(QWEN2_7B, gpus_free=[], host_free=12 * GIB)
+
+
+LLAMA2_70B = 68_976_648_192
+
+
+def test_a_70b_reference_is_sharded_over_the_gpus_in_float32_when_they_hold_it_together() -> None:
+    """Four H200s (139 GiB free each): 257 GiB of float32 weights fit none alone, all four
+    together; each GPU keeps its own headroom and a memory cap for accelerate's device_map."""
+    place = choose_placement(LLAMA2_70B, gpus_free=[139 * GIB] * 4, host_free=500 * GIB)
+    assert (place["device"], place["dtype"], place["gpus"]) == ("cuda", "float32", 4)
+    assert place["max_memory_gib"] == [111.2] * 4 and place["need_gib"] <= 0.8 * place["free_gib"]
+    # two H200s hold it in bfloat16 only (128 GiB), which beats float32 on the CPU
+    place = choose_placement(LLAMA2_70B, gpus_free=[139 * GIB] * 2, host_free=500 * GIB)
+    assert (place["device"], place["dtype"], place["gpus"]) == ("cuda", "bfloat16", 2)
+    # one GPU that holds it alone is preferred to spreading it (no traffic between GPUs)
+    place = choose_placement(QWEN2_7B, gpus_free=[139 * GIB] * 4, host_free=500 * GIB)
+    assert (place["device"], place["dtype"]) == ("cuda", "float32") and "gpus" not in place
+    with pytest.raises(MemoryError, match=r"GPUs 20\.0 \+ 20\.0 GiB\)"):
+        choose_placement(LLAMA2_70B, gpus_free=[20 * GIB] * 2, host_free=100 * GIB)
+
+
+def test_modelopt_spreads_a_model_over_the_gpus_only_when_the_first_cannot_hold_it() -> None:
+    assert not spread_over_gpus(QWEN2_7B, 2, [139 * GIB] * 4)  # 14 GiB of bfloat16: one GPU
+    assert spread_over_gpus(LLAMA2_70B, 2, [139 * GIB] * 4)  # 128 GiB + headroom > 0.8 x 139
+    assert not spread_over_gpus(LLAMA2_70B, 2, [139 * GIB])  # one GPU: nothing to spread over
+    assert not spread_over_gpus(LLAMA2_70B, 2, [])
 
 
 def test_parameters_are_counted_from_safetensors_headers(tiny_llama: Path) -> None:

@@ -123,6 +123,8 @@ class ModeloptTarget(Target):
                 "calibration": result["calibration"],
                 "export_seconds": round(result["export_seconds"], 1),
                 "device": result["device"],
+                # spread over several GPUs where the first could not hold it (absent: one or none)
+                **({"gpus": result["gpus"]} if (result.get("gpus") or 1) > 1 else {}),
                 "vllm_quantization": "modelopt" if self.quant in VLLM_LOADS else None,
                 "serve_gpu_arch": self.serve_gpu_arch,
             },

@@ -18,6 +18,7 @@ from typing import Any
 
 from pipeline.workers.calibration import calibration_chunks, document_ids, read_text
 from pipeline.workers.protocol import installed_versions, worker_main
+from pipeline.workers.reference import count_parameters, spread_over_gpus
 
 # recipe quant -> ModelOpt preset config (None: export unquantized)
 PRESETS = {
@@ -74,9 +75,16 @@ def op_checkpoint(req: dict[str, Any]) -> dict[str, Any]:
     # bf16 compute on CPU (fp16 matmuls are very slow there); the export dtype is the target's.
     load_dtype = getattr(torch, req["dtype"]) if device == "cuda" else torch.bfloat16
     tok = AutoTokenizer.from_pretrained(src, trust_remote_code=req["trust_remote_code"])
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    free = [torch.cuda.mem_get_info(i)[0] for i in range(gpus)]
+    spread = spread_over_gpus(count_parameters(src), load_dtype.itemsize, free)
     model = AutoModelForCausalLM.from_pretrained(
-        src, dtype=load_dtype, trust_remote_code=req["trust_remote_code"]
-    ).to(device)
+        src,
+        dtype=load_dtype,
+        trust_remote_code=req["trust_remote_code"],
+        **({"device_map": "auto"} if spread else {}),
+    )
+    model = model if spread else model.to(device)  # spread: calibration inputs go to the first GPU
     model.eval()
     cfg = quant_config(req)
     calibrated: dict[str, Any] = {"samples": 0, "tokens": 0, "seconds": 0.0}
@@ -124,6 +132,7 @@ def op_checkpoint(req: dict[str, Any]) -> dict[str, Any]:
         "calibration": calibrated,
         "export_seconds": time.perf_counter() - t0,
         "device": device if device == "cpu" else torch.cuda.get_device_name(0),
+        "gpus": len(set(getattr(model, "hf_device_map", {}).values())) if spread else min(gpus, 1),
         "toolchain": _versions(),
     }
 

@@ -41,30 +41,46 @@ def count_parameters(model_dir: str | Path) -> int:
     return total
 
 
-def choose_placement(n_params: int, gpu_free: int | None, host_free: int) -> dict[str, Any]:
-    """Where the reference runs and in what precision: float32 (the most exact) on the GPU, else
-    bfloat16 on the GPU, else the same two on the CPU; the first whose weights plus headroom fit in
-    MEMORY_FRACTION of the free memory. Raises MemoryError naming the sizes when none fits."""
-    options = [("cuda", gpu_free)] if gpu_free is not None else []
-    options.append(("cpu", host_free))
-    for device, free in options:
-        for dtype, width in DTYPE_BYTES.items():
-            need = n_params * width + HEADROOM_BYTES
-            if need <= MEMORY_FRACTION * free:
-                return {
-                    "device": device,
-                    "dtype": dtype,
-                    "params": n_params,
-                    "need_gib": round(need / 2**30, 2),
-                    "free_gib": round(free / 2**30, 2),
-                }
+def choose_placement(n_params: int, gpus_free: list[int], host_free: int) -> dict[str, Any]:
+    """Where the reference runs and in what precision, the first that fits (weights plus headroom
+    within MEMORY_FRACTION of the free memory): float32 (the most exact) on the first GPU, float32
+    sharded over every GPU (`gpus`: their count; each layer on one GPU, accelerate's device_map,
+    `max_memory_gib` per GPU), bfloat16 the same two ways, then float32 and bfloat16 on the CPU.
+    `gpus_free`: each GPU's free bytes ([] without one). Raises MemoryError naming the sizes."""
     gib = 2**30
+    options: list[tuple[str, str, list[int]]] = []  # (device, dtype, free bytes per device)
+    for dtype in DTYPE_BYTES:
+        options += [("cuda", dtype, gpus_free[:1])] if gpus_free else []
+        options += [("cuda", dtype, gpus_free)] if len(gpus_free) > 1 else []
+    options += [("cpu", dtype, [host_free]) for dtype in DTYPE_BYTES]
+    for device, dtype, free in options:
+        need = n_params * DTYPE_BYTES[dtype] + HEADROOM_BYTES * len(free)  # headroom on each GPU
+        if need <= MEMORY_FRACTION * sum(free):
+            place = {
+                "device": device,
+                "dtype": dtype,
+                "params": n_params,
+                "need_gib": round(need / gib, 2),
+                "free_gib": round(sum(free) / gib, 2),
+            }
+            if len(free) > 1:
+                place["gpus"] = len(free)
+                place["max_memory_gib"] = [round(MEMORY_FRACTION * f / gib, 2) for f in free]
+            return place
     raise MemoryError(
         f"the reference model has {n_params / 1e9:.2f}B parameters: {n_params * 2 / gib:.1f} GiB in "
         f"bfloat16 plus {HEADROOM_BYTES / gib:.0f} GiB headroom exceeds {MEMORY_FRACTION:.0%} of the free "
         f"memory (host {host_free / gib:.1f} GiB"
-        + (f", GPU {gpu_free / gib:.1f} GiB)" if gpu_free is not None else ", no GPU)")
+        + (f", GPUs {' + '.join(f'{f / gib:.1f}' for f in gpus_free)} GiB)" if gpus_free else ", no GPU)")
     )
+
+
+def spread_over_gpus(n_params: int, width: int, gpus_free: list[int]) -> bool:
+    """Whether a quantizer should load a model spread over every GPU (accelerate's device_map
+    "auto": whole layers per GPU) rather than on the first: there are several GPUs and the first
+    alone cannot hold its weights (`width` bytes each) plus headroom in MEMORY_FRACTION of its free
+    memory (ModelOpt's own examples load large models that way)."""
+    return len(gpus_free) > 1 and n_params * width + HEADROOM_BYTES > MEMORY_FRACTION * gpus_free[0]
 
 
 def host_available_bytes() -> int:
@@ -78,8 +94,9 @@ def host_available_bytes() -> int:
 def placement_for(model_dir: str) -> dict[str, Any]:
     import torch
 
-    gpu_free = torch.cuda.mem_get_info(0)[0] if torch.cuda.is_available() else None
-    return choose_placement(count_parameters(model_dir), gpu_free, host_available_bytes())
+    gpus = range(torch.cuda.device_count()) if torch.cuda.is_available() else range(0)
+    gpus_free = [torch.cuda.mem_get_info(i)[0] for i in gpus]
+    return choose_placement(count_parameters(model_dir), gpus_free, host_available_bytes())
 
 
 def _load(model_dir: str, trust_remote_code: bool, place: dict[str, Any]) -> tuple[Any, Any]:
@@ -88,11 +105,16 @@ def _load(model_dir: str, trust_remote_code: bool, place: dict[str, Any]) -> tup
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    sharded = {}
+    if place.get("gpus", 1) > 1:  # whole layers per GPU; inputs go to the first (dispatch hooks move them)
+        sharded = {"max_memory": {i: f"{g}GiB" for i, g in enumerate(place["max_memory_gib"])}}
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
         dtype=getattr(torch, place["dtype"]),
-        device_map=place["device"],  # loaded straight onto it, never a float32 copy in host memory
+        # loaded straight onto it, never a float32 copy in host memory
+        device_map="auto" if sharded else place["device"],
         trust_remote_code=trust_remote_code,
+        **sharded,
     )
     model.eval()
     return tok, model

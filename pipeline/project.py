@@ -43,7 +43,7 @@ from pipeline.manifest import (
     read_manifest,
     write_manifest,
 )
-from pipeline.preflight import Host, Prediction, predict
+from pipeline.preflight import Host, Prediction, predict, unloadable
 from pipeline.recipe import load_recipe, source_config
 from pipeline.registry import Registry
 from pipeline.serving import benchmark
@@ -215,6 +215,11 @@ class Project:
             return TargetResult(
                 name, STATUS_UNAVAILABLE, final, validation=STATUS_UNAVAILABLE, message=reason
             )
+        # what no engine loads whatever the host (a split its heads do not allow) is refused before
+        # hours of calibration, as `recipe check` refuses it
+        refused = unloadable(list(ctx.preflight(name, spec, spec.serving_engines()).values()))
+        if refused:
+            raise RecipeError(f"{self.loaded.path}: {refused[0]}")
         with build_lock(self.layout, name):
             return self._build_target_locked(ctx, name, spec, force)
 

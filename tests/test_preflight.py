@@ -266,3 +266,21 @@ def test_sglang_is_skipped_with_the_rule_instead_of_a_wasted_run(
         got.reason.startswith("preflight: SGLang 0.5.17 will not load it: qkv_proj N = 960")
         and ctx.steps == []
     )
+
+
+def test_a_build_refuses_a_split_no_engine_can_load_before_quantizing(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    """A target whose own tp_size its heads do not allow (the tiny Llama has 2) is a recipe error
+    (exit 2) naming the dimension, raised before any of its steps runs."""
+    awq = {"kind": "awq", "group_size": 64, "gates": {**OPEN, "max_kld_topk_mean": 1.0}}
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets={"wide": {**awq, "tp_size": 3}})
+    project = Project.open(recipe)
+    [result] = project.build(["wide"])
+    assert result.outcome == "error" and result.exit_code == 2, result.message
+    assert (
+        "targets.wide: no engine can load it: vllm [tp-divides-heads] tp_size 3 does not divide the 2 "
+        in (result.message or "")
+    )
+    assert not project.layout.target_dir("wide").exists()
+    assert not list(project.layout.logs_dir.glob("wide*.log"))  # no step of it ran

@@ -49,6 +49,8 @@ GGUF_QUANTS: dict[str, tuple[str, str]] = {
 }
 GGUF_BASE_OUTTYPE = "f16"  # the converter output every quantized GGUF target starts from
 GGUF_FILE = "model.gguf"
+# llama.cpp's split modes over several GPUs (llama.h's llama_split_mode; 0, `none`, is one GPU)
+LLAMACPP_SPLIT_MODES = {"layer": 1, "row": 2, "tensor": 3}
 
 # Checkpoint files: weights we accept, and pickle formats we refuse to load.
 SAFE_WEIGHT_SUFFIXES = (".safetensors",)

@@ -138,8 +138,9 @@ class LlamaCppServe(Strict):
     # llama-cpp-python's default (True) cuts a streamed answer short as soon as another request
     # waits (seen under the serving benchmark: 1-token answers at concurrency 4); False queues them.
     interrupt_requests: bool = False
-    # over tp_size > 1 GPUs: whole layers per GPU (llama.cpp's default) or rows of each matrix
-    split_mode: Literal["layer", "row"] = "layer"
+    # over tp_size > 1 GPUs: whole layers per GPU (llama.cpp's default), rows of each matrix, or
+    # llama.cpp's tensor parallelism (LLAMA_SPLIT_MODE_TENSOR)
+    split_mode: Literal["layer", "row", "tensor"] = "layer"
 
 
 class VllmServe(Strict):

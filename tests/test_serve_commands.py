@@ -125,10 +125,12 @@ def test_a_targets_own_tp_size_beats_the_recipes_and_moves_no_inputs_hash() -> N
     assert trt.serve_spec(recipe_serve).tp_size == 1 and trt.model_dump()["tp_size"] == 1
 
 
-@pytest.mark.parametrize(("mode", "number"), [("layer", 1), ("row", 2)])
+@pytest.mark.parametrize(("mode", "number"), [("layer", 1), ("row", 2), ("tensor", 3)])
 def test_a_gguf_over_several_gpus_gets_llama_cpp_servers_split_flags(mode: str, number: int) -> None:
     """llama-cpp-python's own server parser takes the flags: `--split_mode` 1 (whole layers per
-    GPU) or 2 (rows of each matrix), `--tensor_split` even shares over tp_size GPUs; at 1, none."""
+    GPU), 2 (rows of each matrix) or 3 (llama.cpp's tensor parallelism), `--tensor_split` even
+    shares over tp_size GPUs; at 1, none. Validation splits the same way: the worker's
+    llama_cpp.Llama settings and its llama-perplexity flags (which this build's --help lists)."""
     import argparse
 
     from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
@@ -141,6 +143,20 @@ def test_a_gguf_over_several_gpus_gets_llama_cpp_servers_split_flags(mode: str, 
     add_args_from_model(parser, Settings)
     settings = parse_model_from_args(ModelSettings, parser.parse_args(argv[3:]))
     assert settings.split_mode == number and settings.tensor_split == [1.0, 1.0, 1.0]
+
+    from pipeline.targets.gguf import split_request
+    from pipeline.workers import llamacpp
+
+    request = {
+        "gguf_path": "m.gguf",
+        "ctx": 128,
+        **split_request(gguf.serve_spec(ServeSpec(llamacpp={"split_mode": mode}))),
+    }
+    assert llamacpp.split_settings(request) == {"split_mode": number, "tensor_split": [1.0, 1.0, 1.0]}
+    command = llamacpp._perplexity(request)
+    assert command[command.index("-sm") + 1] == mode and command[command.index("-ts") + 1] == "1,1,1"
+    one = {"gguf_path": "m.gguf", "ctx": 128, **split_request(ServeSpec())}
+    assert llamacpp.split_settings(one) == {} and "-sm" not in llamacpp._perplexity(one)
 
 
 def test_the_build_context_gives_each_target_its_own_serve_knobs(tmp_path: Path) -> None:

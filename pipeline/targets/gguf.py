@@ -16,6 +16,7 @@ from pipeline.constants import (
     GGUF_BASE_OUTTYPE,
     GGUF_FILE,
     GGUF_QUANTS,
+    LLAMACPP_SPLIT_MODES,
 )
 from pipeline.context import BuildContext
 from pipeline.engines.serving import ARTIFACT_DIR
@@ -194,6 +195,7 @@ class GgufTarget(Target):
                 "eval_text_path": str(ctx.loaded.text_path(r.evaluation.text)),
                 "max_new_tokens": r.smoke.max_new_tokens,
                 "threads": ctx.threads,
+                **split_request(ctx.serve(name)),
             },
             name,
         )
@@ -255,6 +257,7 @@ class GgufTarget(Target):
             "kld_base_path": str(kld_base / KLD_BASE_FILE),
             "ctx": ev.ctx,
             "threads": ctx.threads,
+            **split_request(ctx.serve(name)),
         }
         scores = ctx.step(ENV_LLAMACPP, request, name)
         return {
@@ -270,12 +273,19 @@ class GgufTarget(Target):
         argv = ["python", "-m", "llama_cpp.server", "--model", f"{ARTIFACT_DIR}/{GGUF_FILE}"]
         argv += ["--host", serve.host, "--port", str(serve.port), "--n_ctx", str(knobs.n_ctx)]
         argv += ["--n_gpu_layers", str(knobs.n_gpu_layers)]
-        if serve.tp_size > 1:  # llama.cpp's modes: 1 whole layers per GPU, 2 rows of each matrix
-            argv += ["--split_mode", "1" if knobs.split_mode == "layer" else "2"]
-            argv += ["--tensor_split", *["1"] * serve.tp_size]  # even shares of the first tp_size GPUs
+        if serve.tp_size > 1:  # llama.cpp's split mode by number, even shares of the first tp_size GPUs
+            argv += ["--split_mode", str(LLAMACPP_SPLIT_MODES[knobs.split_mode])]
+            argv += ["--tensor_split", *["1"] * serve.tp_size]
         argv += ["--n_threads", str(knobs.n_threads)] if knobs.n_threads else []
         argv += ["--interrupt_requests", str(knobs.interrupt_requests)]
         return argv
+
+
+def split_request(serve: ServeSpec) -> dict[str, Any]:
+    """The llama.cpp worker's split over the GPUs the target is served on (none at 1)."""
+    if serve.tp_size <= 1:
+        return {}
+    return {"gpus": serve.tp_size, "split_mode": serve.llamacpp.split_mode}
 
 
 def disagreements(metrics: Metrics | None, by_llama: dict[str, Any]) -> list[str]:

@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from pipeline.constants import GGUF_QUANTS
+from pipeline.constants import GGUF_QUANTS, LLAMACPP_SPLIT_MODES
 from pipeline.workers.calibration import bos_windows, calibration_chunks, read_text
 from pipeline.workers.protocol import installed_versions, worker_main
 from pipeline.workers.scoring import (
@@ -128,10 +128,22 @@ def _threads(req: dict[str, Any]) -> int:
 
 
 def _perplexity(req: dict[str, Any], *args: str) -> list[str]:
-    """A llama-perplexity command over req's GGUF in windows of req's ctx, plus `args`."""
+    """A llama-perplexity command over req's GGUF in windows of req's ctx, plus `args` (split
+    over req's `gpus` as its server is)."""
     ctx = str(req["ctx"])
+    gpus = req.get("gpus", 1)
+    split = ["-sm", req.get("split_mode", "layer"), "-ts", ",".join(["1"] * gpus)] if gpus > 1 else []
     return [str(tool("llama-perplexity")), "-m", req["gguf_path"], "-c", ctx, "-b", ctx,
-            "-t", str(_threads(req)), *args]  # fmt: skip
+            "-t", str(_threads(req)), *split, *args]  # fmt: skip
+
+
+def split_settings(req: dict[str, Any]) -> dict[str, Any]:
+    """llama_cpp.Llama's split over req's `gpus` (even shares, req's split mode); {} on one GPU:
+    llama.cpp's own default."""
+    gpus = req.get("gpus", 1)
+    if gpus <= 1:
+        return {}
+    return {"split_mode": LLAMACPP_SPLIT_MODES[req.get("split_mode", "layer")], "tensor_split": [1.0] * gpus}
 
 
 def _run_tool(cmd: list[str], what: str) -> str:
@@ -355,6 +367,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         n_threads_batch=threads,
         seed=0,
         verbose=False,
+        **split_settings(req),
     )
     load_s = time.perf_counter() - t0
     scorer = WindowScorer(np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r"), ref)
@@ -393,7 +406,12 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         **generation_scores(records, gen_s),
         "prompt_tokens_per_s": len(ref["eval_ids"]) / eval_s if eval_s else None,
         "load_s": load_s,
-        "placement": {"gpu_offload": offload, "n_gpu_layers": -1 if offload else 0, "threads": threads},
+        "placement": {
+            "gpu_offload": offload,
+            "n_gpu_layers": -1 if offload else 0,
+            "threads": threads,
+            **({"gpus": req["gpus"], "split_mode": req["split_mode"]} if split_settings(req) else {}),
+        },
         "eos_token_id": llm.token_eos(),
         "tokenizer_prefix_match": common_prefix(ours_ids, eval_ids) / len(eval_ids),
     }

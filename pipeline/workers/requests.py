@@ -15,7 +15,7 @@ Only pydantic is imported here: every tool environment has it (the GPU kit carri
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -195,6 +195,8 @@ class LlamacppValidate(Scored):
     gguf_path: str
     eval_text_path: str
     threads: int | None = None
+    gpus: int = 1  # split over that many GPUs (the target's tp_size), in split_mode
+    split_mode: Literal["layer", "row", "tensor"] = "layer"
 
 
 class KldBase(Request):
@@ -211,6 +213,8 @@ class Kld(Request):
     kld_base_path: str
     ctx: int
     threads: int | None = None
+    gpus: int = 1
+    split_mode: Literal["layer", "row", "tensor"] = "layer"
 
 
 class Reply(BaseModel):

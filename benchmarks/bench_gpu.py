@@ -6,15 +6,16 @@ each step's wall time, peak RSS (its process group) and peak GPU memory come fro
 `build.steps`. Then the same step run by the tool itself (benchmarks/raw_tools.py, same settings,
 same environment, same session) under the same sampler, and the ratio project/raw.
 
-    python benchmarks/bench_gpu.py make-checkpoint DIR --arch qwen2|llama --tokenizer SRC
+    python benchmarks/bench_gpu.py make-checkpoint DIR --arch qwen2|llama --tokenizer SRC [--shape S]
     python benchmarks/bench_gpu.py run RECIPE --targets awq,gptq --model NAME --json OUT.json
     python benchmarks/bench_gpu.py warm MODEL_DIR --model NAME --json OUT.json
 
-`make-checkpoint` writes Qwen2-7B-Instruct's shapes (pipeline.constants.KNOWN_HUB_CONFIGS) with
-random bfloat16 weights, initialised on the GPU at a scale that keeps float16 activations in range
-(`scaled_init`, checked by a float16 forward pass), and SRC's tokenizer; `--arch llama` declares the
-same shapes as a Llama (llama.cpp's converter refuses SmolLM2's tokenizer under Qwen2: "BPE
-pre-tokenizer was not recognized").
+`make-checkpoint` writes a known model's shapes (`--shape`: qwen2-7b, the default, qwen2.5-32b or
+llama2-70b; pipeline.constants.KNOWN_HUB_CONFIGS) with random bfloat16 weights, initialised on the
+GPU (several GPUs, whole layers each, for a model one cannot hold) at a scale that keeps float16
+activations in range (`scaled_init`, checked by a float16 forward pass), and SRC's tokenizer;
+`--arch llama` declares the same shapes as a Llama (llama.cpp's converter refuses SmolLM2's
+tokenizer under Qwen2: "BPE pre-tokenizer was not recognized").
 """
 
 from __future__ import annotations
@@ -54,23 +55,31 @@ RESIDUAL_OUT = ("o_proj", "down_proj")
 
 
 def scaled_init(model: Any, seed: int = 0) -> None:
-    """Re-initialise `model`'s weights in place (see LOGIT_STD above); norms 1, biases 0."""
+    """Re-initialise `model`'s weights in place (see LOGIT_STD above); norms 1, biases 0. Every
+    parameter is written (a model made with uninitialised memory, `to_empty`, is whole after it);
+    one generator per device, seeded alike."""
     import torch
 
     cfg = model.config
-    gen = torch.Generator(device=model.device).manual_seed(seed)
+    gens: dict[Any, Any] = {}
+
+    def gen_for(t: Any) -> Any:
+        if t.device not in gens:
+            gens[t.device] = torch.Generator(device=t.device).manual_seed(seed)
+        return gens[t.device]
+
     residual = 1.0 / (2 * cfg.num_hidden_layers) ** 0.5
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Embedding):
-                module.weight.normal_(0.0, 1.0, generator=gen)
+                module.weight.normal_(0.0, 1.0, generator=gen_for(module.weight))
             elif isinstance(module, torch.nn.Linear):
                 std = 1.0 / module.in_features**0.5
                 if name.endswith(RESIDUAL_OUT):
                     std *= residual
                 elif name.endswith("lm_head"):
                     std *= LOGIT_STD
-                module.weight.normal_(0.0, std, generator=gen)
+                module.weight.normal_(0.0, std, generator=gen_for(module.weight))
                 if module.bias is not None:
                     module.bias.zero_()
             elif "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None:
@@ -106,25 +115,82 @@ def activation_ranges(model: Any, ids: list[int], dtype: Any) -> dict[str, float
     return peaks
 
 
-def make_checkpoint(out: Path, arch: str, tokenizer: Path) -> None:
+def layer_placement(n_layers: int, devices: list[str]) -> dict[str, str]:
+    """Whole modules of a decoder over `devices` (accelerate's device_map form): the embedding and
+    RoPE with the first layers, the final norm and lm_head with the last, layers in equal runs."""
+    per = -(-n_layers // len(devices))
+    placement = {"model.embed_tokens": devices[0], "model.rotary_emb": devices[0]}
+    placement |= {f"model.layers.{i}": devices[i // per] for i in range(n_layers)}
+    return placement | {"model.norm": devices[-1], "lm_head": devices[-1]}
+
+
+def random_model(cfg: Any, devices: list[str]) -> Any:
+    """`cfg`'s model in bfloat16 with scaled_init's weights, made where it will run: on one device,
+    or (a model one GPU cannot hold) spread over `devices` whole layers at a time, each module made
+    straight on its device (never the whole model in host memory) and dispatched (accelerate) so a
+    forward pass crosses them."""
     import torch
-    from bench_trtllm_checkpoint import qwen2_7b_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    if len(devices) == 1:
+        with torch.device(devices[0]):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    else:
+        from accelerate import dispatch_model
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        placement = layer_placement(cfg.num_hidden_layers, devices)
+        for name, device in placement.items():
+            model.get_submodule(name).to_empty(device=device)
+        # RoPE's inverse frequencies are a buffer computed when made: make it again, on its device
+        rotary = model.model.rotary_emb
+        with torch.device(placement["model.rotary_emb"]):
+            model.model.rotary_emb = type(rotary)(config=cfg)
+        model = dispatch_model(model, device_map=placement)
+    scaled_init(model)
+    return model
+
+
+def gpu_devices(n_params: int) -> list[str]:
+    """Where make-checkpoint makes a model: the first GPU when it holds the bfloat16 weights with a
+    quarter to spare, else as many GPUs as it takes (each filled to three quarters); the CPU
+    without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ["cpu"]
+    need = n_params * 2
+    free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+    taken, devices = 0.0, []
+    for i, f in enumerate(free):
+        devices.append(f"cuda:{i}")
+        taken += 0.75 * f
+        if taken >= need:
+            return devices
+    raise SystemExit(f"{need / 2**30:.0f} GiB of bfloat16 weights exceed 3/4 of the GPUs' free memory")
+
+
+def make_checkpoint(out: Path, arch: str, tokenizer: Path, shape: str = "qwen2-7b") -> None:
+    import torch
+    from bench_trtllm_checkpoint import shape_config
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.constants import BUILTIN_TEXTS
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    cfg = qwen2_7b_config(
+    cfg = shape_config(
+        shape,
         arch,
         rms_norm_eps=1e-6,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
     t0 = time.perf_counter()
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    scaled_init(model)
+    with torch.device("meta"):  # counted without memory
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    model = random_model(cfg, gpu_devices(n_params))
     text = (REPO / "pipeline" / "data" / BUILTIN_TEXTS["gpl-3.0"]).read_text()
     ids = tok(text, add_special_tokens=False)["input_ids"][:512]
     ranges = activation_ranges(model, ids, torch.float16)
@@ -471,6 +537,7 @@ def main() -> None:
     mk = sub.add_parser("make-checkpoint")
     mk.add_argument("out", type=Path)
     mk.add_argument("--arch", choices=("qwen2", "llama"), default="qwen2")
+    mk.add_argument("--shape", choices=("qwen2-7b", "qwen2.5-32b", "llama2-70b"), default="qwen2-7b")
     mk.add_argument("--tokenizer", type=Path, required=True)
     wm = sub.add_parser("warm")
     wm.add_argument("model_dir", type=Path)
@@ -489,7 +556,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.cmd == "make-checkpoint":
-        make_checkpoint(args.out, args.arch, args.tokenizer)
+        make_checkpoint(args.out, args.arch, args.tokenizer, args.shape)
     elif args.cmd == "warm":
         warm(args.model_dir, args.model, args.json, args.attention_backend)
     else:

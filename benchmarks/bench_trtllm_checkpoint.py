@@ -37,12 +37,21 @@ from pipeline.targets.trtllm import TrtllmTarget, check_checkpoint_config
 REPO = Path(__file__).resolve().parent.parent
 
 
-def qwen2_7b_config(arch: str = "qwen2", **overrides: object) -> object:
-    """A transformers config with Qwen2-7B-Instruct's shapes (KNOWN_HUB_CONFIGS), declared as `arch`
-    (qwen2, or llama for llama.cpp's converter), for random-weight checkpoints."""
+# random-weight checkpoint shapes: KNOWN_HUB_CONFIGS's model, its positions and RoPE base
+SHAPES: dict[str, tuple[str, int, float]] = {
+    "qwen2-7b": ("Qwen/Qwen2-7B-Instruct", 32768, 1000000.0),
+    "qwen2.5-32b": ("Qwen/Qwen2.5-32B-Instruct", 32768, 1000000.0),
+    "llama2-70b": ("meta-llama/Llama-2-70b-hf", 4096, 10000.0),
+}
+
+
+def shape_config(shape: str = "qwen2-7b", arch: str = "qwen2", **overrides: object) -> object:
+    """A transformers config with a known model's shapes (SHAPES, KNOWN_HUB_CONFIGS), declared as
+    `arch` (qwen2, or llama for llama.cpp's converter), for random-weight checkpoints."""
     from transformers import AutoConfig
 
-    c = KNOWN_HUB_CONFIGS["Qwen/Qwen2-7B-Instruct"]
+    repo, positions, rope_theta = SHAPES[shape]
+    c = KNOWN_HUB_CONFIGS[repo]
     return AutoConfig.for_model(
         arch,
         hidden_size=c["hidden_size"],
@@ -52,8 +61,8 @@ def qwen2_7b_config(arch: str = "qwen2", **overrides: object) -> object:
         num_hidden_layers=c["num_hidden_layers"],
         vocab_size=c["vocab_size"],
         tie_word_embeddings=bool(c["tie_word_embeddings"]),
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
+        max_position_embeddings=positions,
+        rope_theta=rope_theta,
         **overrides,
     )
 
@@ -64,7 +73,7 @@ def random_model(shape: str, tokenizer_dir: Path, out: Path) -> float:
     from transformers import Qwen2ForCausalLM
 
     assert shape == "qwen2-7b"
-    config = qwen2_7b_config(torch_dtype="bfloat16")
+    config = shape_config(torch_dtype="bfloat16")
     t0 = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

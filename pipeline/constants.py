@@ -119,6 +119,27 @@ KNOWN_HUB_CONFIGS: dict[str, dict[str, int]] = {
         "vocab_size": 152064,
         "tie_word_embeddings": 0,
     },
+    # the GPU sessions' larger shapes (issue 28): one H200 holds the 32B in bfloat16, the 70B needs several
+    "Qwen/Qwen2.5-32B-Instruct": {
+        "hidden_size": 5120,
+        "intermediate_size": 27648,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "num_hidden_layers": 64,
+        "vocab_size": 152064,
+        "tie_word_embeddings": 0,
+    },
+    "meta-llama/Llama-2-70b-hf": {
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "num_hidden_layers": 80,
+        "vocab_size": 32000,
+        "tie_word_embeddings": 0,
+    },
 }
 
 # GPU architectures a TensorRT-LLM engine or an FP8 checkpoint may target (compute capability).

@@ -65,3 +65,35 @@ def test_each_xdist_worker_takes_its_own_gpu_only_when_asked(monkeypatch: pytest
     monkeypatch.setenv("PIPELINE_TEST_GPU_PER_WORKER", "1")
     conftest.pytest_configure(None)  # type: ignore[arg-type]
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_a_model_spread_over_devices_is_made_whole_in_place() -> None:
+    """make-checkpoint's path for a model one GPU cannot hold (a 70B shape on four H200s), run here
+    on two CPU "devices" with a tiny config: every module made straight on its device from
+    uninitialised memory is fully written by scaled_init, RoPE's buffer is made again (the same as a
+    normally built model's), and a float16 forward pass crosses the placement finite."""
+    import importlib.util
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "benchmarks" / "bench_gpu.py")
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    placement = bench.layer_placement(80, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"])
+    assert placement["model.layers.19"] == "cuda:0" and placement["model.layers.20"] == "cuda:1"
+    assert placement["lm_head"] == placement["model.norm"] == "cuda:3"
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)  # fmt: skip
+    model = bench.random_model(cfg, ["cpu", "cpu"])
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    norms = [m.weight for n, m in model.named_modules() if n.endswith("norm")]
+    assert norms and all(bool((w == 1).all()) for w in norms)  # written, not leftover memory
+    reference = AutoModelForCausalLM.from_config(cfg).model.rotary_emb.inv_freq
+    assert torch.equal(model.model.rotary_emb.inv_freq, reference)
+    ranges = bench.activation_ranges(model, list(range(32)), torch.float16)
+    assert ranges["finite"] == 1.0 and 1.0 < ranges["logits_std"] < 10.0

@@ -7,7 +7,8 @@
 #   benchmarks/gpu/run_h200.sh smollm2 T R  the default recipe's targets T (default awq,gptq,gguf-q8_0),
 #                                           raw repeats of the step ops R (default all)
 #   benchmarks/gpu/run_h200.sh qwen2-7b T R 7B-shaped random checkpoint, targets T of
-#                                           benchmarks/gpu/qwen2-7b-shape.yaml (T=gguf: the Llama-declared one)
+#                                           benchmarks/gpu/qwen2-7b-shape.yaml (T=gguf: the Llama-declared one;
+#                                           SHAPE=qwen2.5-32b: the 32B shape, qwen2.5-32b-shape.yaml)
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment;
 #                                           TESTS_K: only the tests a -k expression selects; TESTS:
 #                                           the node ids to run, in that order, default tests/)
@@ -166,15 +167,16 @@ case "${1:-}" in
     exec 9>"$WORK/checkpoint.lock" && flock 9
     tokenizer=$(source_dir)  # SmolLM2's tokenizer
     arch=qwen2; [ "${2:-}" = gguf ] && arch=llama
-    [ -f "$WORK/qwen2-7b-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
-      "$WORK/qwen2-7b-$arch" --arch $arch --tokenizer "$tokenizer"
-    for r in qwen2-7b-shape qwen2-7b-shape-llama; do  # replaced whole: the other stream may be reading it
+    shape=${SHAPE:-qwen2-7b}  # SHAPE=qwen2.5-32b: the 32B shape and its recipe (one H200 holds it)
+    [ -f "$WORK/$shape-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
+      "$WORK/$shape-$arch" --arch $arch --shape "$shape" --tokenizer "$tokenizer"
+    for r in qwen2-7b-shape qwen2-7b-shape-llama qwen2.5-32b-shape; do  # replaced whole: the other stream may be reading it
       sed "s#@WORK@#$WORK#g" "benchmarks/gpu/$r.yaml" > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
     done
     flock -u 9
-    recipe=$WORK/qwen2-7b-shape.yaml targets=${2:-modelopt-fp8}
+    recipe=$WORK/$shape-shape.yaml targets=${2:-modelopt-fp8}
     [ "$arch" = llama ] && recipe=$WORK/qwen2-7b-shape-llama.yaml targets=gguf-q8_0,gguf-q4_0,gguf-iq4_xs
-    bench run "$recipe" --targets "$targets" --model "qwen2-7b-shape ($arch)" \
+    bench run "$recipe" --targets "$targets" --model "$shape-shape ($arch)" \
       --raw-steps "${3:-convert,quantize,checkpoint,validate}" \
       --json "$RESULTS" 2>&1 | tee "$OUT/qwen2-7b-${targets//,/_}.log" | tail -c 20000
     ;;

@@ -187,6 +187,9 @@ def make_checkpoint(out: Path, arch: str, tokenizer: Path, shape: str = "qwen2-7
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
+    if len(tok) > cfg.vocab_size:  # Llama-2's 32,000 rows are fewer than SmolLM2's tokenizer has
+        print(f"vocab_size {cfg.vocab_size} -> {len(tok)}: the tokenizer's ids must all have a row")
+        cfg.vocab_size = len(tok)
     t0 = time.perf_counter()
     with torch.device("meta"):  # counted without memory
         n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())

@@ -167,15 +167,16 @@ case "${1:-}" in
     exec 9>"$WORK/checkpoint.lock" && flock 9
     tokenizer=$(source_dir)  # SmolLM2's tokenizer
     arch=qwen2; [ "${2:-}" = gguf ] && arch=llama
-    shape=${SHAPE:-qwen2-7b}  # SHAPE=qwen2.5-32b: the 32B shape and its recipe (one H200 holds it)
+    shape=${SHAPE:-qwen2-7b}  # SHAPE=qwen2.5-32b: the 32B shape and its recipe (one H200 holds it);
+    [ "$shape" = llama2-70b ] && arch=llama  # SHAPE=llama2-70b: a Llama, over every GPU (tp_size 4)
     [ -f "$WORK/$shape-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
       "$WORK/$shape-$arch" --arch $arch --shape "$shape" --tokenizer "$tokenizer"
-    for r in qwen2-7b-shape qwen2-7b-shape-llama qwen2.5-32b-shape; do  # replaced whole: the other stream may be reading it
+    for r in qwen2-7b-shape qwen2-7b-shape-llama qwen2.5-32b-shape llama2-70b-shape; do  # replaced whole: the other stream may be reading it
       sed "s#@WORK@#$WORK#g" "benchmarks/gpu/$r.yaml" > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
     done
     flock -u 9
     recipe=$WORK/$shape-shape.yaml targets=${2:-modelopt-fp8}
-    [ "$arch" = llama ] && recipe=$WORK/qwen2-7b-shape-llama.yaml targets=gguf-q8_0,gguf-q4_0,gguf-iq4_xs
+    [ "$arch" = llama ] && [ "$shape" = qwen2-7b ] && recipe=$WORK/qwen2-7b-shape-llama.yaml targets=gguf-q8_0,gguf-q4_0,gguf-iq4_xs
     bench run "$recipe" --targets "$targets" --model "$shape-shape ($arch)" \
       --raw-steps "${3:-convert,quantize,checkpoint,validate}" \
       --json "$RESULTS" 2>&1 | tee "$OUT/qwen2-7b-${targets//,/_}.log" | tail -c 20000

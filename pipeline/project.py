@@ -215,11 +215,6 @@ class Project:
             return TargetResult(
                 name, STATUS_UNAVAILABLE, final, validation=STATUS_UNAVAILABLE, message=reason
             )
-        # what no engine loads whatever the host (a split its heads do not allow) is refused before
-        # hours of calibration, as `recipe check` refuses it
-        refused = unloadable(list(ctx.preflight(name, spec, spec.serving_engines()).values()))
-        if refused:
-            raise RecipeError(f"{self.loaded.path}: {refused[0]}")
         with build_lock(self.layout, name):
             return self._build_target_locked(ctx, name, spec, force)
 
@@ -236,6 +231,7 @@ class Project:
                 return self.up_to_date(name, spec)
             why = outdated or f"the workspace artifact is damaged ({damaged[0]})"
             ctx.reporter.step(name, f"{why}: rebuilding it")
+        self.check_loadable(ctx, name, spec)
         staging = self.layout.new_staging(name)
         try:
             manifest = self.make_artifact(ctx, name, spec, staging, inputs)
@@ -246,6 +242,14 @@ class Project:
             why = outdated or f"the workspace copy was damaged ({'; '.join(damaged)})"
             result.message = "; ".join(filter(None, [result.message, f"rebuilt: {why}"]))
         return result
+
+    def check_loadable(self, ctx: BuildContext, name: str, spec: Target) -> None:
+        """RecipeError (exit 2) for a target none of its engines can load for a reason of the model
+        and not of a host's hardware (pipeline.preflight: a split its heads do not allow), as
+        `recipe check` says; raised before a build step runs, never for an up-to-date artifact."""
+        refused = unloadable(list(ctx.preflight(name, spec, spec.serving_engines()).values()))
+        if refused:
+            raise RecipeError(f"{self.loaded.path}: {refused[0]}")
 
     def up_to_date(self, name: str, spec: Target) -> TargetResult:
         """The workspace artifact is what a build would make: (re-)register it, rewrite its metrics."""

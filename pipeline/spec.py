@@ -263,11 +263,16 @@ class TargetSpec(Strict):
     def needs_calibration(self) -> bool:
         return False
 
+    def shards_by_recipe(self) -> bool:
+        """Whether `serve.tp_size` applies to this target when it sets no tp_size of its own: the
+        kinds vLLM or SGLang serve; llama.cpp and TensorRT-LLM ones stay on one GPU unless told."""
+        return True
+
     def serve_spec(self, serve: ServeSpec) -> ServeSpec:
-        """The recipe's serve knobs as this target is served: its own tp_size where it sets one."""
-        if self.tp_size is None or self.tp_size == serve.tp_size:
-            return serve
-        return serve.model_copy(update={"tp_size": self.tp_size})
+        """The recipe's serve knobs as this target is served: its own tp_size where it sets one,
+        else the recipe's (shards_by_recipe) or 1."""
+        tp = self.tp_size if self.tp_size is not None else serve.tp_size if self.shards_by_recipe() else 1
+        return serve if tp == serve.tp_size else serve.model_copy(update={"tp_size": tp})
 
     def check(self, config: dict[str, Any] | None) -> list[str]:
         """Recipe-time problems (`key: why`) given the source's config.json, when it is known."""

@@ -157,6 +157,34 @@ def test_an_unreachable_cluster_is_one_line_and_builds_nothing(
     assert not (_isolated_artifacts / "tiny" / "gguf-q8_0").exists()
 
 
+def test_a_cluster_build_refuses_a_split_no_engine_can_load_as_a_plain_build_does(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a node too: a target whose own tp_size the tiny Llama's 2 heads do not allow is a recipe
+    error (exit 2) naming the dimension, and no step of it runs there."""
+    monkeypatch.setenv("PIPELINE_NODE_WORKSPACE", str(tmp_path / "nodes"))
+    awq = {"kind": "awq", "group_size": 64, "gates": {"max_ppl_delta_pct": 1e6, "max_kld_topk_mean": 100},
+           "tp_size": 3}  # fmt: skip
+    recipe = _recipe(tiny_recipe_dir, wide=awq)
+    [result] = build_on_cluster(Project.open(recipe), "local", ["wide"])
+    assert result.outcome == "error" and result.exit_code == 2, result.message
+    assert "targets.wide: no engine can load it: vllm [tp-divides-heads] tp_size 3" in (result.message or "")
+    assert not list((tmp_path / "nodes").glob("*/tiny/.logs/wide*.log"))
+    # the local node ended with the build: none of its marked processes and no watcher is left
+    mine = f"PIPELINE_LOCAL_CLUSTER={os.getpid()}-".encode()
+    left = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            environ, cmdline = (proc / "environ").read_bytes(), (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if any(v.startswith(mine) for v in environ.split(b"\0")) or cmdline.startswith(
+            f"{sys.executable}\0-m\0pipeline.reaper\0{os.getpid()}\0".encode()
+        ):
+            left.append(proc.name)
+    assert not left, f"left after the build: {left}"
+
+
 def test_dvc_repro_builds_its_stage_on_a_local_cluster_advertising_this_host(
     tiny_recipe_dir: Path, _isolated_artifacts: Path, tmp_path: Path
 ) -> None:
@@ -197,7 +225,7 @@ def test_dvc_repro_builds_its_stage_on_a_local_cluster_advertising_this_host(
 DRIVER = """
 import sys, time
 from pipeline.cluster import connect
-print(connect("local"), flush=True)
+print(connect("local").value, flush=True)
 time.sleep(300)
 """
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.workers.protocol import last_error_line
-from pipeline.workers.reference import choose_placement, count_parameters, spread_over_gpus
+from pipeline.workers.reference import choose_placement, count_parameters, gpu_load_caps
 from pipeline.workers.serving import first_divergence
 from pipeline.workers.vllm import check_version, release
 
@@ -46,7 +46,7 @@ def test_a_70b_reference_is_sharded_over_the_gpus_in_float32_when_they_hold_it_t
     together; each GPU keeps its own headroom and a memory cap for accelerate's device_map."""
     place = choose_placement(LLAMA2_70B, gpus_free=[139 * GIB] * 4, host_free=500 * GIB)
     assert (place["device"], place["dtype"], place["gpus"]) == ("cuda", "float32", 4)
-    assert place["max_memory_gib"] == [111.2] * 4 and place["need_gib"] <= 0.8 * place["free_gib"]
+    assert place["max_memory_gib"] == [109.2] * 4 and place["need_gib"] <= 0.8 * place["free_gib"]
     # two H200s hold it in bfloat16 only (128 GiB), which beats float32 on the CPU
     place = choose_placement(LLAMA2_70B, gpus_free=[139 * GIB] * 2, host_free=500 * GIB)
     assert (place["device"], place["dtype"], place["gpus"]) == ("cuda", "bfloat16", 2)
@@ -55,13 +55,21 @@ def test_a_70b_reference_is_sharded_over_the_gpus_in_float32_when_they_hold_it_t
     assert (place["device"], place["dtype"]) == ("cuda", "float32") and "gpus" not in place
     with pytest.raises(MemoryError, match=r"GPUs 20\.0 \+ 20\.0 GiB\)"):
         choose_placement(LLAMA2_70B, gpus_free=[20 * GIB] * 2, host_free=100 * GIB)
+    # a busy first GPU: each GPU keeps its own headroom, so one with none left is no shard (the
+    # first holds the inputs and the logits); the CPU takes the model instead
+    place = choose_placement(QWEN2_7B, gpus_free=[2 * GIB, 139 * GIB], host_free=100 * GIB)
+    assert (place["device"], place["dtype"]) == ("cpu", "float32")
 
 
 def test_modelopt_spreads_a_model_over_the_gpus_only_when_the_first_cannot_hold_it() -> None:
-    assert not spread_over_gpus(QWEN2_7B, 2, [139 * GIB] * 4)  # 14 GiB of bfloat16: one GPU
-    assert spread_over_gpus(LLAMA2_70B, 2, [139 * GIB] * 4)  # 128 GiB + headroom > 0.8 x 139
-    assert not spread_over_gpus(LLAMA2_70B, 2, [139 * GIB])  # one GPU: nothing to spread over
-    assert not spread_over_gpus(LLAMA2_70B, 2, [])
+    assert gpu_load_caps(QWEN2_7B * 2, [139 * GIB] * 4) is None  # 14 GiB of bfloat16: the first GPU
+    assert gpu_load_caps(LLAMA2_70B * 2, []) is None  # no GPU: the CPU, as before
+    caps = gpu_load_caps(LLAMA2_70B * 2, [139 * GIB] * 4)  # 128 GiB + headroom > 0.8 x 139
+    assert caps is not None and list(caps) == [0, 1, 2, 3] and sum(caps.values()) >= LLAMA2_70B * 2
+    with pytest.raises(MemoryError, match=r"fit neither the first GPU nor all 1 together"):
+        gpu_load_caps(LLAMA2_70B * 2, [139 * GIB])  # one GPU: nothing to spread over
+    with pytest.raises(MemoryError, match=r"nor all 2 together \(free: 80\.0 \+ 80\.0 GiB"):
+        gpu_load_caps(LLAMA2_70B * 2, [80 * GIB] * 2)
 
 
 def test_parameters_are_counted_from_safetensors_headers(tiny_llama: Path) -> None:

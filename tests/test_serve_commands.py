@@ -130,7 +130,7 @@ def test_a_gguf_over_several_gpus_gets_llama_cpp_servers_split_flags(mode: str, 
     """llama-cpp-python's own server parser takes the flags: `--split_mode` 1 (whole layers per
     GPU), 2 (rows of each matrix) or 3 (llama.cpp's tensor parallelism), `--tensor_split` even
     shares over tp_size GPUs; at 1, none. Validation splits the same way: the worker's
-    llama_cpp.Llama settings and its llama-perplexity flags (which this build's --help lists)."""
+    llama_cpp.Llama settings and its llama-perplexity flags, as this build's --help spells them."""
     import argparse
 
     from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
@@ -157,6 +157,9 @@ def test_a_gguf_over_several_gpus_gets_llama_cpp_servers_split_flags(mode: str, 
     assert command[command.index("-sm") + 1] == mode and command[command.index("-ts") + 1] == "1,1,1"
     one = {"gguf_path": "m.gguf", "ctx": 128, **split_request(ServeSpec())}
     assert llamacpp.split_settings(one) == {} and "-sm" not in llamacpp._perplexity(one)
+    usage = subprocess.run([command[0], "--help"], capture_output=True, text=True, check=False)
+    assert "-sm,   --split-mode {none,layer,row,tensor}" in usage.stdout + usage.stderr
+    assert "-ts,   --tensor-split N0,N1,N2" in usage.stdout + usage.stderr
 
 
 def test_the_build_context_gives_each_target_its_own_serve_knobs(tmp_path: Path) -> None:
@@ -172,3 +175,17 @@ def test_the_build_context_gives_each_target_its_own_serve_knobs(tmp_path: Path)
     )
     ctx = Project.open(recipe).context()
     assert [ctx.serve(n).tp_size for n in ("wide", "plain", "not-a-target")] == [4, 2, 2]
+
+
+def test_the_recipes_tp_size_shards_only_what_vllm_or_sglang_serve() -> None:
+    """`serve.tp_size: 2` shards the vLLM/SGLang kinds; a GGUF and a trtllm-serve checkpoint stay
+    on one GPU (their serve commands, and inputs hashes, as before) unless the target says."""
+    two, one = ServeSpec(tp_size=2), ServeSpec()
+    gguf = KINDS["gguf"].model_validate({"kind": "gguf", "quant": "Q8_0", "gates": FULL_KL})
+    assert gguf.serve_spec(two).tp_size == 1
+    assert gguf.serve_command(gguf.serve_spec(two)) == gguf.serve_command(one)
+    int4_awq = KINDS["modelopt"].model_validate({"kind": "modelopt", "quant": "int4_awq", "gates": FULL_KL})
+    assert "--tp_size" not in int4_awq.serve_argv(int4_awq.serve_spec(two))
+    fp8 = KINDS["modelopt"].model_validate({"kind": "modelopt", "quant": "fp8", "gates": TOP_K_KL})
+    argv = fp8.serve_argv(fp8.serve_spec(two))
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"

@@ -19,7 +19,7 @@
 #                                           other), and beside them the tests mode; logs under
 #                                           /tmp/pipeline-bg, results h200-DATE-<stream>.json
 #                                           (TESTS_FIRST=1: the tests alone first, then the
-#                                           streams; TESTS=none: the streams alone)
+#                                           streams; NO_TESTS=1: the streams alone)
 #   benchmarks/gpu/run_h200.sh wait [S]     until `start`'s runs have ended or S seconds (default 570)
 #                                           have passed, then the tests' results so far and their log
 #                                           in $OUT (polling calls back to back end early when done)
@@ -74,7 +74,7 @@ case "${1:-}" in
     if [ "${TESTS_FIRST:-0}" = 1 ]; then  # the GPU tests alone, then the streams (2026-12-03: the
       # tests' vLLM engines, at 0.15 of the GPU, could not start beside two 7B streams)
       setsid nohup benchmarks/gpu/run_h200.sh tests-then-streams "${@:2}" >"$BG/chain.log" 2>&1 </dev/null &
-    elif [ "${TESTS:-}" = none ]; then  # the streams alone: a raw ratio with the GPU to itself
+    elif [ "${NO_TESTS:-0}" = 1 ]; then  # the streams alone: a raw ratio with the GPU to itself
       streams "$@"
     else
       streams "$@"

@@ -268,6 +268,9 @@ class GgufTarget(Target):
             **scores,
         }
 
+    def shards_by_recipe(self) -> bool:
+        return False  # llama.cpp splits a GGUF over GPUs only where the target's own tp_size says so
+
     def serve_argv(self, serve: ServeSpec) -> list[str]:
         knobs = serve.llamacpp
         argv = ["python", "-m", "llama_cpp.server", "--model", f"{ARTIFACT_DIR}/{GGUF_FILE}"]

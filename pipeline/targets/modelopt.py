@@ -101,6 +101,9 @@ class ModeloptTarget(Target):
     def primary_engine(self) -> str:
         return ENGINE_VLLM if self.quant in VLLM_LOADS else ENGINE_TRTLLM  # what serves it
 
+    def shards_by_recipe(self) -> bool:
+        return self.quant in VLLM_LOADS  # trtllm-serve's checkpoints shard only where the target says
+
     def build(self, ctx: BuildContext, name: str, out: Path) -> BuildOutput:
         request = checkpoint_request(
             ctx, out, export="hf", quant=self.quant, dtype=self.dtype, calibration=self.calibration,

@@ -138,8 +138,8 @@ def _perplexity(req: dict[str, Any], *args: str) -> list[str]:
 
 
 def split_settings(req: dict[str, Any]) -> dict[str, Any]:
-    """llama_cpp.Llama's split over req's `gpus` (even shares, req's split mode); {} on one GPU:
-    llama.cpp's own default."""
+    """llama_cpp.Llama's split over req's `gpus` (even shares, req's split mode); {} for one:
+    llama.cpp's own default, which spreads layers over every visible GPU."""
     gpus = req.get("gpus", 1)
     if gpus <= 1:
         return {}
@@ -367,7 +367,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         n_threads_batch=threads,
         seed=0,
         verbose=False,
-        **split_settings(req),
+        **(split := split_settings(req)),
     )
     load_s = time.perf_counter() - t0
     scorer = WindowScorer(np.load(Path(req["reference_dir"]) / "logits.npy", mmap_mode="r"), ref)
@@ -410,7 +410,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
             "gpu_offload": offload,
             "n_gpu_layers": -1 if offload else 0,
             "threads": threads,
-            **({"gpus": req["gpus"], "split_mode": req["split_mode"]} if split_settings(req) else {}),
+            **({"gpus": req["gpus"], "split_mode": req["split_mode"]} if offload and split else {}),
         },
         "eos_token_id": llm.token_eos(),
         "tokenizer_prefix_match": common_prefix(ours_ids, eval_ids) / len(eval_ids),

@@ -18,7 +18,7 @@ from typing import Any
 
 from pipeline.workers.calibration import calibration_chunks, document_ids, read_text
 from pipeline.workers.protocol import installed_versions, worker_main
-from pipeline.workers.reference import count_parameters, spread_over_gpus
+from pipeline.workers.reference import count_parameters, gpu_load_caps
 
 # recipe quant -> ModelOpt preset config (None: export unquantized)
 PRESETS = {
@@ -77,14 +77,14 @@ def op_checkpoint(req: dict[str, Any]) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(src, trust_remote_code=req["trust_remote_code"])
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     free = [torch.cuda.mem_get_info(i)[0] for i in range(gpus)]
-    spread = spread_over_gpus(count_parameters(src), load_dtype.itemsize, free)
+    caps = gpu_load_caps(count_parameters(src) * load_dtype.itemsize, free)
     model = AutoModelForCausalLM.from_pretrained(
         src,
         dtype=load_dtype,
         trust_remote_code=req["trust_remote_code"],
-        **({"device_map": "auto"} if spread else {}),
+        **({"device_map": "auto", "max_memory": caps} if caps else {}),
     )
-    model = model if spread else model.to(device)  # spread: calibration inputs go to the first GPU
+    model = model if caps else model.to(device)  # spread: calibration inputs go to the first GPU
     model.eval()
     cfg = quant_config(req)
     calibrated: dict[str, Any] = {"samples": 0, "tokens": 0, "seconds": 0.0}
@@ -132,7 +132,9 @@ def op_checkpoint(req: dict[str, Any]) -> dict[str, Any]:
         "calibration": calibrated,
         "export_seconds": time.perf_counter() - t0,
         "device": device if device == "cpu" else torch.cuda.get_device_name(0),
-        "gpus": len(set(getattr(model, "hf_device_map", {}).values())) if spread else min(gpus, 1),
+        "gpus": len({d for d in getattr(model, "hf_device_map", {}).values() if isinstance(d, int)})
+        if caps
+        else min(gpus, 1),
         "toolchain": _versions(),
     }
 

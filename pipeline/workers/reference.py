@@ -41,12 +41,21 @@ def count_parameters(model_dir: str | Path) -> int:
     return total
 
 
+def shard_caps(weights: int, gpus_free: list[int]) -> list[int] | None:
+    """Per-GPU caps (bytes) for `weights` spread over every GPU, whole layers each (accelerate's
+    device_map): MEMORY_FRACTION of each GPU's free memory less HEADROOM_BYTES, so each GPU keeps
+    its own headroom (the first also holds the inputs and the logits); None when there are fewer
+    than two GPUs, one has no room left or together they cannot hold `weights`."""
+    caps = [int(MEMORY_FRACTION * f) - HEADROOM_BYTES for f in gpus_free]
+    return caps if len(caps) > 1 and min(caps) > 0 and sum(caps) >= weights else None
+
+
 def choose_placement(n_params: int, gpus_free: list[int], host_free: int) -> dict[str, Any]:
-    """Where the reference runs and in what precision, the first that fits (weights plus headroom
-    within MEMORY_FRACTION of the free memory): float32 (the most exact) on the first GPU, float32
-    sharded over every GPU (`gpus`: their count; each layer on one GPU, accelerate's device_map,
-    `max_memory_gib` per GPU), bfloat16 the same two ways, then float32 and bfloat16 on the CPU.
-    `gpus_free`: each GPU's free bytes ([] without one). Raises MemoryError naming the sizes."""
+    """Where the reference runs and in what precision, the first that fits: float32 (the most
+    exact) on the first GPU, float32 sharded over every GPU (`gpus`: their count, `max_memory_gib`:
+    shard_caps), bfloat16 the same two ways, then float32 and bfloat16 on the CPU; on one device the
+    weights plus headroom must fit in MEMORY_FRACTION of its free memory. `gpus_free`: each GPU's
+    free bytes ([] without one). Raises MemoryError naming the sizes."""
     gib = 2**30
     options: list[tuple[str, str, list[int]]] = []  # (device, dtype, free bytes per device)
     for dtype in DTYPE_BYTES:
@@ -54,19 +63,21 @@ def choose_placement(n_params: int, gpus_free: list[int], host_free: int) -> dic
         options += [("cuda", dtype, gpus_free)] if len(gpus_free) > 1 else []
     options += [("cpu", dtype, [host_free]) for dtype in DTYPE_BYTES]
     for device, dtype, free in options:
-        need = n_params * DTYPE_BYTES[dtype] + HEADROOM_BYTES * len(free)  # headroom on each GPU
-        if need <= MEMORY_FRACTION * sum(free):
-            place = {
-                "device": device,
-                "dtype": dtype,
-                "params": n_params,
-                "need_gib": round(need / gib, 2),
-                "free_gib": round(sum(free) / gib, 2),
-            }
-            if len(free) > 1:
-                place["gpus"] = len(free)
-                place["max_memory_gib"] = [round(MEMORY_FRACTION * f / gib, 2) for f in free]
-            return place
+        weights = n_params * DTYPE_BYTES[dtype]
+        caps = shard_caps(weights, free) if len(free) > 1 else None
+        if caps is None and (len(free) > 1 or weights + HEADROOM_BYTES > MEMORY_FRACTION * free[0]):
+            continue
+        place = {
+            "device": device,
+            "dtype": dtype,
+            "params": n_params,
+            "need_gib": round((weights + HEADROOM_BYTES * len(free)) / gib, 2),
+            "free_gib": round(sum(free) / gib, 2),
+        }
+        if caps is not None:
+            place["gpus"] = len(free)
+            place["max_memory_gib"] = [round(c / gib, 2) for c in caps]
+        return place
     raise MemoryError(
         f"the reference model has {n_params / 1e9:.2f}B parameters: {n_params * 2 / gib:.1f} GiB in "
         f"bfloat16 plus {HEADROOM_BYTES / gib:.0f} GiB headroom exceeds {MEMORY_FRACTION:.0%} of the free "
@@ -75,12 +86,22 @@ def choose_placement(n_params: int, gpus_free: list[int], host_free: int) -> dic
     )
 
 
-def spread_over_gpus(n_params: int, width: int, gpus_free: list[int]) -> bool:
-    """Whether a quantizer should load a model spread over every GPU (accelerate's device_map
-    "auto": whole layers per GPU) rather than on the first: there are several GPUs and the first
-    alone cannot hold its weights (`width` bytes each) plus headroom in MEMORY_FRACTION of its free
-    memory (ModelOpt's own examples load large models that way)."""
-    return len(gpus_free) > 1 and n_params * width + HEADROOM_BYTES > MEMORY_FRACTION * gpus_free[0]
+def gpu_load_caps(weights: int, gpus_free: list[int]) -> dict[int, int] | None:
+    """How a quantizer loads `weights` bytes on the GPUs: None where the first GPU holds them with
+    headroom (or there is no GPU: the caller's own placement), else accelerate's `max_memory` for a
+    device_map "auto" over every GPU (shard_caps; ModelOpt's own examples load large models that
+    way). Raises MemoryError naming the sizes where even all of them cannot."""
+    if not gpus_free or weights + HEADROOM_BYTES <= MEMORY_FRACTION * gpus_free[0]:
+        return None
+    caps = shard_caps(weights, gpus_free)
+    if caps is None:
+        gib = 2**30
+        raise MemoryError(
+            f"{weights / gib:.1f} GiB of weights fit neither the first GPU nor all {len(gpus_free)} together "
+            f"(free: {' + '.join(f'{f / gib:.1f}' for f in gpus_free)} GiB, {MEMORY_FRACTION:.0%} usable, "
+            f"{HEADROOM_BYTES / gib:.0f} GiB headroom each)"
+        )
+    return dict(enumerate(caps))
 
 
 def host_available_bytes() -> int:
@@ -107,7 +128,7 @@ def _load(model_dir: str, trust_remote_code: bool, place: dict[str, Any]) -> tup
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     sharded = {}
     if place.get("gpus", 1) > 1:  # whole layers per GPU; inputs go to the first (dispatch hooks move them)
-        sharded = {"max_memory": {i: f"{g}GiB" for i, g in enumerate(place["max_memory_gib"])}}
+        sharded = {"max_memory": {i: int(g * 2**30) for i, g in enumerate(place["max_memory_gib"])}}
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
         dtype=getattr(torch, place["dtype"]),

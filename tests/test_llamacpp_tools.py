@@ -162,6 +162,37 @@ def test_a_kld_run_that_stops_without_its_statistics_runs_once_more_then_fails(
     req = {"gguf_path": "q.gguf", "kld_base_path": "base.bin", "ctx": 128}
     got = llamacpp.op_kld(req)
     assert got["runs"] == 2 and got["kld_mean"] == 0.02 and got["chunks"] == 2 and outputs == []
-    outputs[:] = [_STOPPED, _STOPPED]
-    with pytest.raises(RuntimeError, match=r"printed no PPL\(Q\) in 2 runs: .*ETA"):
+    outputs[:] = [_STOPPED] * 3
+    with pytest.raises(RuntimeError, match=r"printed no PPL\(Q\) in 3 runs: .*ETA"):
         llamacpp.op_kld(req)
+
+
+def test_a_base_run_that_stops_without_its_estimate_runs_again_then_fails(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The F16 base's run loses its last lines the same way (a fresh-clone CI run, 2026-12-05:
+    "[1]49176.5080," and nothing after): run again, and fail naming it after KLD_ATTEMPTS runs."""
+    from pipeline.workers import llamacpp
+
+    out = tmp_path / "kld-base.bin"
+    stopped = "[1]49176.5080,\nperplexity: 0.49 seconds per pass - ETA\n"
+    whole = (
+        "calculating perplexity over 2 chunks\n[1]49176.5080,[2]48000.1,\n"
+        "Final estimate: PPL = 48500.2 +/- 900.5\n"
+    )
+
+    def run(cmd: list[str], what: str) -> str:
+        out.write_bytes(b"logits")
+        return outputs.pop(0)
+
+    monkeypatch.setattr(llamacpp, "_run_tool", run)
+    monkeypatch.setattr(llamacpp, "tool", lambda name: Path(name))
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    req = {"gguf_path": "f16.gguf", "text_path": str(text), "ctx": 128, "chunks": 2, "out_path": str(out)}
+    outputs = [stopped, whole]
+    got = llamacpp.op_kld_base(req)
+    assert got == {"ppl": 48500.2, "ppl_stderr": 900.5, "chunks": 2} and outputs == []
+    outputs = [stopped] * llamacpp.KLD_ATTEMPTS
+    with pytest.raises(RuntimeError, match=r"gave no perplexity in 3 runs: .*ETA"):
+        llamacpp.op_kld_base(req)

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -260,44 +261,56 @@ _KLD_STATS = {
 KLD_ATTEMPTS = 3
 
 
+def _run_until_printed(
+    cmd: list[str], what: str, parse: Callable[[str], dict[str, Any] | str]
+) -> tuple[dict[str, Any], str, int]:
+    """Run llama-perplexity `cmd` until `parse` finds its numbers in the log (a dict; else a str
+    saying what is missing), up to KLD_ATTEMPTS times: the numbers, the log, the runs it took.
+    RuntimeError "`what` <missing> in N runs" when the last run lacks them too."""
+    attempt = 1
+    while True:
+        log = _run_tool(cmd, what)
+        got = parse(log)
+        if isinstance(got, dict):
+            return got, log, attempt
+        if attempt == KLD_ATTEMPTS:
+            raise RuntimeError(f"{what} {got} in {attempt} runs: {_tool_error(log)}")
+        print(f"{what} exited 0 but {got} (its log lost at exit): again")
+        attempt += 1
+
+
 def op_kld_base(req: dict[str, Any]) -> dict[str, Any]:
     """llama-perplexity on the F16 GGUF over the evaluation text: its PPL, and the log-probabilities
     file (`--kl-divergence-base`) every quantized GGUF is compared against."""
     out = Path(req["out_path"])
     text = _plain_text(req["text_path"], out.parent)
     cmd = _perplexity(req, "-f", str(text), "--chunks", str(req["chunks"]), "--kl-divergence-base", str(out))
-    for attempt in range(1, KLD_ATTEMPTS + 1):
-        log = _run_tool(cmd, "llama-perplexity")
+
+    def estimate(log: str) -> dict[str, Any] | str:
         found = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", log)
-        if found and out.is_file():
-            break
-        if attempt == KLD_ATTEMPTS:
-            raise RuntimeError(f"llama-perplexity gave no perplexity in {attempt} runs: {_tool_error(log)}")
-        print("llama-perplexity exited 0 without its final estimate (its log lost at exit): again")
+        if not found or not out.is_file():
+            return "gave no perplexity"
+        return {"ppl": float(found[1]), "ppl_stderr": float(found[2]), "chunks": _chunks(log)}
+
     # the runs it took stay in the step's log: this reply is cached beside the base, byte for byte
-    return {"ppl": float(found[1]), "ppl_stderr": float(found[2]), "chunks": _chunks(log)}
+    return _run_until_printed(cmd, "llama-perplexity", estimate)[0]
+
+
+def _kld_statistics(log: str) -> dict[str, Any] | str:
+    """--kl-divergence's summary numbers (_KLD_STATS), or which one it never printed."""
+    stats: dict[str, Any] = {}
+    for key, label in _KLD_STATS.items():
+        found = re.search(re.escape(label) + r"\s*:\s*(-?[\d.]+)", log)
+        if not found:
+            return f"printed no {label.split()[-1]}"
+        stats[key] = float(found[1])
+    return stats
 
 
 def op_kld(req: dict[str, Any]) -> dict[str, Any]:
     """llama-perplexity --kl-divergence: a GGUF against the F16 base's log-probabilities."""
     cmd = _perplexity(req, "--kl-divergence-base", req["kld_base_path"], "--kl-divergence")
-    for attempt in range(1, KLD_ATTEMPTS + 1):
-        log = _run_tool(cmd, "llama-perplexity --kl-divergence")
-        stats: dict[str, Any] = {}
-        missing = None
-        for key, label in _KLD_STATS.items():
-            found = re.search(re.escape(label) + r"\s*:\s*(-?[\d.]+)", log)
-            if not found:
-                missing = label.split()[-1]
-                break
-            stats[key] = float(found[1])
-        if missing is None:
-            break
-        if attempt == KLD_ATTEMPTS:
-            raise RuntimeError(
-                f"llama-perplexity --kl-divergence printed no {missing} in {attempt} runs: {_tool_error(log)}"
-            )
-        print(f"llama-perplexity --kl-divergence exited 0 without its statistics (no {missing}): again")
+    stats, log, attempt = _run_until_printed(cmd, "llama-perplexity --kl-divergence", _kld_statistics)
     stats["ppl_delta_pct"] = 100.0 * (stats["ppl"] / stats["ppl_base"] - 1.0)
     stats["chunks"] = _chunks(log)
     stats["runs"] = attempt

@@ -274,7 +274,7 @@ class Project:
         toolchain = {env: ctx.versions(env) for env in spec.recorded_environments()}
         if self.loaded.recipe.serving_benchmark.benchmarks(name) and environment_exists(ENV_GUIDELLM):
             toolchain[ENV_GUIDELLM] = ctx.versions(ENV_GUIDELLM)  # the load generator's numbers
-        serve_command = spec.serve_command(spec.serve_spec(self.loaded.recipe.serve))
+        serve_command = spec.serve_command(ctx.serve(name))
         inputs = inputs_sha256(ctx, name, spec, toolchain, serve_command)
         return TargetInputs(toolchain, serve_command, inputs)
 
@@ -317,9 +317,7 @@ class Project:
                     steps=[StepRecord(**vars(u)) for u in ctx.steps[first_step:]],
                 ),
                 validation=validation,
-                serve=ServeInfo(
-                    command=inputs.serve_command, tp_size=spec.serve_spec(self.loaded.recipe.serve).tp_size
-                ),
+                serve=ServeInfo(command=inputs.serve_command, tp_size=ctx.serve(name).tp_size),
                 serving=serving,
                 gguf=built.gguf,
                 quantization=built.quantization,

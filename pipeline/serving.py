@@ -62,14 +62,15 @@ def benchmark(
     ctx.reporter.step(name, f"serving benchmark: {engine} at concurrency {spec.concurrency}")
     per_level = spec.max_seconds_per_level + 60  # + a load generator's start
     port = port or free_port()
+    serve = ctx.serve(name)
     try:
         got = ctx.step(
             ENV_GUIDELLM,
             {
                 "op": "benchmark",
-                "argv": local_argv(serve_argv, ctx.serve(name), port),
+                "argv": local_argv(serve_argv, serve, port),
                 "python": interpreter(engine_env),
-                "server_env": server_env(engine, ctx.serve(name).tp_size),
+                "server_env": server_env(engine, serve.tp_size),
                 "model_dir": str(artifact),
                 "tokenizer": str(tokenizer),
                 "workload": workload,

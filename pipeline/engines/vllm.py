@@ -59,16 +59,17 @@ def _score(ctx: BuildContext, log: str, model_dir: Path, dtype: str, serve: Serv
 def engine_reference(ctx: BuildContext, dtype: str, serve: ServeSpec) -> dict[str, Any]:
     """The unquantized source scored in vLLM at `dtype` and the tensor-parallel size of `serve`
     (cached per reference, vLLM version and size)."""
-    log = "vllm-reference" + (f"-tp{serve.tp_size}" if serve.tp_size > 1 else "")
+    tp = serve.tp_size
+    sharded = f"-tp{tp}" if tp > 1 else ""  # at 1 the log and cache keep their names
 
     def compute(tmp: Path) -> None:
         ctx.reporter.step("reference", "scoring the unquantized source in vLLM")
-        (tmp / "scores.json").write_text(json.dumps(_score(ctx, log, ctx.source.path, dtype, serve)))
+        scores = _score(ctx, f"vllm-reference{sharded}", ctx.source.path, dtype, serve)
+        (tmp / "scores.json").write_text(json.dumps(scores))
 
     inputs = {"reference": ctx.reference_key(), "dtype": dtype, "toolchain": ctx.versions(ENV_VLLM)}
-    tp = serve.tp_size
     inputs |= {"tensor_parallel_size": tp} if tp > 1 else {}  # sharded sums round differently
-    path = ctx.cached(f"vllm-reference-{dtype}" + (f"-tp{tp}" if tp > 1 else ""), inputs, compute)
+    path = ctx.cached(f"vllm-reference-{dtype}{sharded}", inputs, compute)
     return json.loads((path / "scores.json").read_text())
 
 

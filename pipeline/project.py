@@ -9,6 +9,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -291,7 +292,8 @@ class Project:
             files = file_entries(staging)
             validation = spec.validate(ctx, name, staging)
             _record_preflight(validation, ctx.preflight(name, spec, spec.serving_engines()))
-            serving = benchmark(ctx, name, staging, validation, spec.serve_argv)
+            weights = partial(spec.weights_read_per_token, ctx, name, staging)
+            serving = benchmark(ctx, name, staging, validation, spec.serve_argv, weights_read=weights)
             manifest = Manifest(
                 schema=MANIFEST_SCHEMA,
                 recipe=self.loaded.recipe.name,

@@ -101,10 +101,28 @@ def _candidate(entry: VersionEntry, manifest: Manifest, engine: str, verdict: En
     )
 
 
-def _level(c: Candidate, concurrency: int) -> dict[str, Any] | None:
-    if not c.serving or c.serving.get("status") != STATUS_PASSED:
+def _level(c: Candidate, s: Scenario) -> dict[str, Any] | None:
+    """The serving numbers at the scenario's concurrency, where they were measured on the kind of
+    host the job runs on (a GPU of its architecture, or a CPU)."""
+    if not c.serving or c.serving.get("status") != STATUS_PASSED or _measured_elsewhere(c, s):
         return None
-    return (c.serving.get("levels") or {}).get(str(concurrency))
+    return (c.serving.get("levels") or {}).get(str(s.concurrency))
+
+
+def _serving_device(c: Candidate) -> str:
+    """Where its serving benchmark ran (older records lack it: where its verdict was obtained)."""
+    return str((c.serving or {}).get("device") or c.device)
+
+
+def _measured_elsewhere(c: Candidate, s: Scenario) -> str | None:
+    """Why its serving numbers say nothing of the scenario's host (None: they do)."""
+    device, arch = _serving_device(c), (c.serving or {}).get("gpu_arch")
+    if s.cpu and not device.startswith("cpu"):
+        return f"its serving numbers were measured on {device}, not on a CPU"
+    if s.gpu_arch and (device.startswith("cpu") or arch not in (None, s.gpu_arch)):
+        measured = f"{device} ({arch})" if arch else device
+        return f"its serving numbers were measured on {measured}, not on {s.gpu_arch}"
+    return None
 
 
 def _memory(c: Candidate, env: str | None) -> tuple[float, str]:
@@ -162,12 +180,12 @@ def _exclusion(c: Candidate, s: Scenario) -> str | None:
             return f"ΔPPL {c.ppl_delta_pct:+.2f} % > {s.max_ppl_delta} %"
     if s.memory_gib is not None and c.memory_mib is not None and c.memory_mib > s.memory_gib * 1024:
         return f"needs {c.memory_mib:.0f} MiB ({c.memory_from}) > {s.memory_gib} GiB"
-    level = _level(c, s.concurrency)
+    level = _level(c, s)
     wants_serving = (
         s.max_ttft_ms is not None or s.max_itl_ms is not None or s.objective in ("throughput", "latency")
     )
     if wants_serving and level is None:
-        return f"no serving numbers at concurrency {s.concurrency} ({_serving_state(c)})"
+        return f"no serving numbers at concurrency {s.concurrency} ({_serving_state(c, s)})"
     if level is not None:
         if s.max_ttft_ms is not None and level["ttft_ms_p99"] > s.max_ttft_ms:
             return (
@@ -179,11 +197,14 @@ def _exclusion(c: Candidate, s: Scenario) -> str | None:
     return None
 
 
-def _serving_state(c: Candidate) -> str:
+def _serving_state(c: Candidate, s: Scenario) -> str:
     if not c.serving:
         return "the serving benchmark did not run for this engine"
     if c.serving.get("status") != STATUS_PASSED:
         return f"its serving benchmark {c.serving.get('status')}: {c.serving.get('reason')}"
+    elsewhere = _measured_elsewhere(c, s)
+    if elsewhere:
+        return elsewhere
     return f"measured at concurrency {', '.join(sorted(c.serving.get('levels') or {}))} only"
 
 
@@ -194,12 +215,18 @@ def _reasons(c: Candidate, s: Scenario) -> list[str]:
     reasons.append(f"{c.size_bytes / MIB:.0f} MiB on disk")
     if c.memory_mib is not None:
         reasons.append(f"{c.memory_mib / 1024:.2f} GiB to serve ({c.memory_from})")
-    level = _level(c, s.concurrency)
+    level = _level(c, s)
     if level is not None:
         reasons.append(
-            f"at concurrency {s.concurrency}: {level['output_tokens_per_s']:.1f} output tokens/s, "
-            f"TTFT p99 {level['ttft_ms_p99']:.0f} ms, ITL p99 {level['itl_ms_p99']:.1f} ms"
+            f"at concurrency {s.concurrency} on {_serving_device(c)}: {level['output_tokens_per_s']:.1f} "
+            f"output tokens/s, TTFT p99 {level['ttft_ms_p99']:.0f} ms, ITL p99 {level['itl_ms_p99']:.1f} ms"
         )
+        bound = (c.serving or {}).get("decode_bound") or {}
+        if s.concurrency == 1 and bound.get("share_c1") is not None:
+            reasons.append(
+                f"{bound['share_c1']:.0%} of its {bound['bound_tokens_per_s']:.0f} tokens/s bandwidth bound"
+                + (f" ({bound['flag']})" if bound.get("flag") else "")
+            )
         others = level.get("others_cpu_share")
         if others is not None and others > CONTENDED_SHARE:
             reasons.append(
@@ -212,7 +239,7 @@ def _reasons(c: Candidate, s: Scenario) -> list[str]:
 def _rank_key(c: Candidate, s: Scenario) -> tuple[float, ...]:
     """Best first; ties broken by ΔPPL, then size."""
     ppl = c.ppl_delta_pct if c.ppl_delta_pct is not None else float("inf")
-    level = _level(c, s.concurrency) or {}
+    level = _level(c, s) or {}
     if s.objective == "throughput":
         return (-level.get("output_tokens_per_s", 0.0), ppl, c.size_bytes)
     if s.objective == "latency":

@@ -8,15 +8,26 @@ never becomes ready, a load generator that fails or times out is recorded as `fa
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pipeline.constants import ENGINE_VLLM, ENGINES, ENV_GUIDELLM, STATUS_PASSED
 from pipeline.context import BuildContext
+from pipeline.decode_bound import (
+    decode_bound,
+    kv_bytes_per_context_token,
+    safetensors_tensor_bytes,
+    weights_read_per_token,
+)
 from pipeline.engines.serving import ServeArgv, free_port, local_argv
-from pipeline.environments import environment_exists, interpreter, local_gpu_arch
+from pipeline.environments import environment_exists, interpreter, local_gpu_arch, local_gpu_name
 from pipeline.errors import DiskFullError, EngineError
-from pipeline.manifest import ServingLevel, ServingResult, Validation
+from pipeline.manifest import DecodeBound, ServingLevel, ServingResult, Validation
+from pipeline.spec import ServeSpec
 from pipeline.workers.vllm import cpu_binding
 
 READY_TIMEOUT_S = 600  # a vLLM CPU server's first start compiles for minutes
@@ -39,10 +50,12 @@ def benchmark(
     validation: Validation,
     serve_argv: ServeArgv,
     port: int | None = None,
+    weights_read: Callable[[], int] | None = None,
 ) -> dict[str, ServingResult]:
     """The primary engine's serving benchmark of `artifact` (served by its deploy command,
     `serve_argv` of the recipe's serve section, on loopback `port`, default a free one), or {}
-    where the recipe turns it off or the artifact did not pass."""
+    where the recipe turns it off or the artifact did not pass. `weights_read`: the bytes of
+    weights a decoded token reads (the target kind's; default from safetensors headers)."""
     spec = ctx.loaded.recipe.serving_benchmark
     engine = validation.engine
     if not spec.benchmarks(name) or validation.status != STATUS_PASSED:
@@ -63,6 +76,12 @@ def benchmark(
     per_level = spec.max_seconds_per_level + 60  # + a load generator's start
     port = port or free_port()
     serve = ctx.serve(name)
+    gpu_arch = local_gpu_arch()
+    where = {
+        "device": (local_gpu_name() or "gpu") if gpu_arch else "cpu",
+        "gpu_arch": gpu_arch,
+        "memory_setting": memory_setting(engine, serve),
+    }
     try:
         got = ctx.step(
             ENV_GUIDELLM,
@@ -84,13 +103,70 @@ def benchmark(
     except DiskFullError:
         raise
     except EngineError as exc:
-        return {engine: ServingResult(status="failed", reason=str(exc), workload=workload)}
+        return {engine: ServingResult(status="failed", reason=str(exc), workload=workload, **where)}
+    levels = {str(lv["concurrency"]): ServingLevel(**lv) for lv in got["levels"]}
+    c1 = levels.get("1")
+    bound = _decode_bound(ctx, artifact, workload, weights_read, c1.output_tokens_per_s if c1 else None)
+    server_log = ctx.log_path(f"{name}-{engine_env}-bench-server")
     return {
         engine: ServingResult(
             status=STATUS_PASSED,
             tool=got["tool"],
             workload=workload,
             seconds=round(got["seconds"], 2),
-            levels={str(lv["concurrency"]): ServingLevel(**lv) for lv in got["levels"]},
+            levels=levels,
+            **where,
+            kv_cache=kv_cache_report(engine, server_log.read_text(errors="replace")),
+            decode_bound=bound,
         )
     }
+
+
+def memory_setting(engine: str, serve: ServeSpec) -> dict[str, Any]:
+    """The serve command's memory reservation knob and its value (the engine table names it)."""
+    knob = ENGINES[engine].memory_knob
+    section = getattr(serve, ENGINES[engine].env, None) if knob else None
+    return {knob: getattr(section, knob)} if knob and section is not None else {}
+
+
+def kv_cache_report(engine: str, server_log: str) -> dict[str, Any] | None:
+    """What the server logged when it allocated its KV cache: tokens, MiB where it says, the line."""
+    pattern = ENGINES[engine].kv_cache_log
+    found = re.search(pattern, server_log) if pattern else None
+    if not found:
+        return None
+    groups = found.groupdict()
+    report: dict[str, Any] = {"tokens": int(groups["tokens"].replace(",", ""))}
+    if groups.get("mib"):
+        report["mib"] = float(groups["mib"])
+    if groups.get("k_gb") and groups.get("v_gb"):
+        report["mib"] = round((float(groups["k_gb"]) + float(groups["v_gb"])) * 1e9 / 2**20, 1)
+    line_start = server_log.rfind("\n", 0, found.start()) + 1
+    line_end = server_log.find("\n", found.end())
+    report["line"] = server_log[line_start : line_end if line_end >= 0 else None].strip()[-300:]
+    return report
+
+
+def _decode_bound(
+    ctx: BuildContext,
+    artifact: Path,
+    workload: dict[str, Any],
+    weights_read: Callable[[], int] | None,
+    tokens_per_s_c1: float | None,
+) -> DecodeBound | None:
+    """Batch-1 decoding's bandwidth bound on this host's GPU (pipeline.decode_bound), or None where
+    the artifact's weights or the model's shape cannot be read."""
+    config = artifact / "config.json"
+    config = config if config.is_file() else ctx.source.path / "config.json"
+    try:
+        if weights_read is None:
+            weights = weights_read_per_token(safetensors_tensor_bytes(artifact))
+        else:
+            weights = weights_read()
+        kv = kv_bytes_per_context_token(json.loads(config.read_text()))
+    except (OSError, ValueError, KeyError, EngineError):
+        return None
+    if not weights:
+        return None
+    context = workload["prompt_tokens"] + workload["output_tokens"]
+    return decode_bound(weights, kv, context, local_gpu_name(), tokens_per_s_c1)

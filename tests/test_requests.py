@@ -69,18 +69,24 @@ def test_a_reply_missing_what_the_core_reads_fails_naming_it(
     llama.cpp worker answers `inspect` without `rows`) fails the step in one line naming it, not as a
     KeyError later; the worker's own check says the same before it writes the reply."""
     check_reply(
-        "pipeline.workers.llamacpp", "inspect", {"architecture": "llama", "tensor_types": {}, "rows": {}}
+        "pipeline.workers.llamacpp",
+        "inspect",
+        {"architecture": "llama", "tensor_types": {}, "rows": {}, "tensor_bytes": {}},
     )
     with pytest.raises(ValueError, match=r"pipeline.workers.llamacpp inspect reply: rows: field required$"):
-        check_reply("pipeline.workers.llamacpp", "inspect", {"architecture": "llama", "tensor_types": {}})
+        check_reply(
+            "pipeline.workers.llamacpp",
+            "inspect",
+            {"architecture": "llama", "tensor_types": {}, "tensor_bytes": {}},
+        )
     with pytest.raises(ValueError, match=r"vllm validate reply: .*startup_s: input should be a valid number"):
         check_reply("pipeline.workers.vllm", "validate", {"ppl": 1.0, "startup_s": "soon"})
     check_reply("pipeline.workers.vllm", "validate", {"error": "the engine crashed"})  # errors pass through
     fake = tmp_path / "python"
     fake.write_text(
         "#!/bin/sh\n"
-        "if grep -q '\"op\": \"inspect\"' \"$3\"; then\n"
-        "  echo '{\"architecture\": \"llama\", \"tensor_types\": {}}' > \"$4\"; exit 0\n"
+        'if grep -q \'"op": "inspect"\' "$3"; then\n'
+        '  echo \'{"architecture": "llama", "tensor_types": {}}\' > "$4"; exit 0\n'
         "fi\n"
         f'exec {sys.executable} "$@"\n'
     )

@@ -11,8 +11,10 @@ from typer.testing import CliRunner
 
 from pipeline.artifacts import file_entries
 from pipeline.cli import app
+from pipeline.decode_bound import decode_bound
 from pipeline.errors import RegistryError
 from pipeline.manifest import (
+    DecodeBound,
     Metrics,
     ServingLevel,
     ServingResult,
@@ -42,6 +44,8 @@ def _measured(
     gpu_arch: str | None = None,
     levels: list[ServingLevel] | None = None,
     validate_rss_mib: float | None = None,
+    served_on: tuple[str, str | None] | None = None,  # the serving benchmark's (device, gpu_arch)
+    bound: DecodeBound | None = None,
 ) -> Path:
     """A synthetic artifact of model m whose primary verdict passed with these numbers."""
     d = write_artifact(root, "m", target, engine, target.split("-")[-1], gpu_arch=gpu_arch)
@@ -57,7 +61,12 @@ def _measured(
     if levels is not None:
         manifest.serving = {
             engine: ServingResult(
-                status="passed", tool="t", levels={str(lv.concurrency): lv for lv in levels}
+                status="passed",
+                tool="t",
+                levels={str(lv.concurrency): lv for lv in levels},
+                device=served_on[0] if served_on else None,
+                gpu_arch=served_on[1] if served_on else None,
+                decode_bound=bound,
             )
         }
     if validate_rss_mib is not None:
@@ -193,3 +202,34 @@ def test_a_host_with_fewer_gpus_excludes_what_is_sharded_over_more(
     ):
         registry.resolve("m", "vllm", "awq", gpus=1)
     assert registry.resolve("m", "vllm", "awq", gpus=2)["target"] == "awq"
+
+
+def test_a_gpu_host_ranks_by_numbers_measured_on_its_architecture(tmp_path: Path) -> None:
+    """Serving numbers count only where they were measured on the kind of host asked about: a CPU
+    host's tokens/s say nothing of an H200's, and the other way round. Concurrency 1's share of the
+    bandwidth bound is among the reasons."""
+    root = tmp_path / "artifacts"
+    _measured(root, "gguf-q4_0", "llama.cpp", 1.0, levels=[_level(1, 50, 10, 90)])  # a CPU host's
+    w4 = decode_bound(4_500_000_000, 0, 1, "NVIDIA H200", tokens_per_s_c1=200.0)
+    _measured(root, "awq", "vllm", 2.0, device="NVIDIA H200", levels=[_level(1, 30, 5, 200)],
+              served_on=("NVIDIA H200", "sm90"), bound=w4)  # fmt: skip
+    _measured(root, "gptq", "vllm", 1.5, device="NVIDIA H200", levels=[_level(1, 30, 5, 260)],
+              served_on=("NVIDIA H100 80GB HBM3", "sm90"))  # fmt: skip
+    _measured(root, "fp8", "vllm", 0.5, device="NVIDIA A100-SXM4-80GB", levels=[_level(1, 20, 4, 900)],
+              served_on=("NVIDIA A100-SXM4-80GB", "sm80"))  # fmt: skip
+    reg = Registry(root)
+    reg.rebuild()
+    answer = select(reg, Scenario(model="m", gpu_arch="sm90", objective="throughput"))
+    assert _names(answer["ranked"]) == ["gptq@vllm", "awq@vllm"]
+    assert _why(answer, "gguf-q4_0") == (
+        "no serving numbers at concurrency 1 (its serving numbers were measured on cpu, not on sm90)"
+    )
+    assert _why(answer, "fp8") == (
+        "no serving numbers at concurrency 1 "
+        "(its serving numbers were measured on NVIDIA A100-SXM4-80GB (sm80), not on sm90)"
+    )
+    awq = next(c for c in answer["ranked"] if c["target"] == "awq")
+    assert any(r.startswith("at concurrency 1 on NVIDIA H200: 200.0 output tokens/s") for r in awq["reasons"])
+    assert any(r.startswith("19% of its 1067 tokens/s bandwidth bound (below 30%") for r in awq["reasons"])
+    on_cpu = select(reg, Scenario(model="m", cpu=True, objective="throughput"))
+    assert _names(on_cpu["ranked"]) == ["gguf-q4_0@llama.cpp"]

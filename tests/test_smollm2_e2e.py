@@ -191,6 +191,14 @@ def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> N
             assert 0 < level["completed"] <= serving["workload"]["requests"] and level["errored"] == 0
             assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p99"] and level["itl_ms_p50"] > 0
             assert level["output_tokens_per_s"] > 0 and level["peak_rss_mib"] > 100
+        # where it ran, the serve command's reservation, the KV cache its server logged at start, and
+        # the bytes a decoded token reads (SmolLM2's head is its embedding table: every tensor counts)
+        assert serving["device"] == "cpu" and serving["gpu_arch"] is None and serving["memory_setting"]
+        assert serving["kv_cache"]["tokens"] > 0, serving["kv_cache"]
+        bound = serving["decode_bound"]
+        stored = sum(f["bytes"] for f in m["files"] if f["path"].endswith((".gguf", ".safetensors")))
+        assert 0.95 * stored < bound["weights_bytes"] <= stored, (bound, stored)
+        assert bound["bandwidth_gbs"] is None and bound["share_c1"] is None  # no figure for a CPU
     assert not llama_servers(), "a benchmark server outlived its build"
 
     listed = _run(workspace, "pipeline", "list", "--json")

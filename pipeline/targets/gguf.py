@@ -19,6 +19,7 @@ from pipeline.constants import (
     LLAMACPP_SPLIT_MODES,
 )
 from pipeline.context import BuildContext
+from pipeline.decode_bound import weights_read_per_token
 from pipeline.engines.serving import ARTIFACT_DIR
 from pipeline.hashing import file_sha256
 from pipeline.manifest import Metrics, Validation
@@ -270,6 +271,11 @@ class GgufTarget(Target):
 
     def shards_by_recipe(self) -> bool:
         return False  # llama.cpp splits a GGUF over GPUs only where the target's own tp_size says so
+
+    def weights_read_per_token(self, ctx: BuildContext, name: str, artifact: Path) -> int:
+        """From the GGUF's tensor table (gguf-py, in the llama.cpp environment)."""
+        inspected = ctx.step(ENV_LLAMACPP, {"op": "inspect", "path": str(artifact / GGUF_FILE)}, name)
+        return weights_read_per_token(inspected["tensor_bytes"])
 
     def serve_argv(self, serve: ServeSpec) -> list[str]:
         knobs = serve.llamacpp

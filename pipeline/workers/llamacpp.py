@@ -363,7 +363,14 @@ def op_inspect(req: dict[str, Any]) -> dict[str, Any]:
     arch = arch_field.contents() if arch_field else None
     types = Counter(t.tensor_type.name for t in reader.tensors)
     rows = {t.name: int(t.shape[0]) for t in reader.tensors if len(t.shape) == 2}
-    return {"architecture": arch, "tensor_types": dict(types), "tensors": len(reader.tensors), "rows": rows}
+    tensor_bytes = {t.name: int(t.n_bytes) for t in reader.tensors}  # as stored: blocks and their scales
+    return {
+        "architecture": arch,
+        "tensor_types": dict(types),
+        "tensors": len(reader.tensors),
+        "rows": rows,
+        "tensor_bytes": tensor_bytes,
+    }
 
 
 def op_validate(req: dict[str, Any]) -> dict[str, Any]:

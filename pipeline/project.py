@@ -200,9 +200,10 @@ class Project:
         """Every target's metrics as one list (the DVC size-vs-ΔPPL scatter's data)."""
         rows = []
         for target in self.loaded.recipe.targets:
-            for path in (self.layout.metrics_path(target), self.layout.metrics_path(target, gpu_host=True)):
+            for host in ("cpu", "gpu"):  # a target built on both hosts is a row each
+                path = self.layout.metrics_path(target, gpu_host=host == "gpu")
                 if path.is_file():
-                    rows.append({"target": target, **json.loads(path.read_text())})
+                    rows.append({"target": target, "host": host, **json.loads(path.read_text())})
         # DVC's plot loader fails on the serving keys ("argument of type 'NoneType' is not
         # iterable", dvc 3.x): the scatter's file keeps the per-artifact columns only.
         plotted = [{k: v for k, v in row.items() if not k.startswith("serving_")} for row in rows]
@@ -375,6 +376,9 @@ class Project:
         record["tokens_per_s_others_cpu_share"] = max((x for x in shares if x is not None), default=None)
         for engine, result in manifest.serving.items():
             record[f"serving_{engine}"] = result.status
+            record["serving_device"] = result.device  # where it was measured: a GPU's name or cpu
+            bound = result.decode_bound
+            record["serving_bound_share_c1"] = bound.share_c1 if bound else None
             for level in result.levels.values():
                 for key in SERVING_METRICS:
                     record[f"serving_c{level.concurrency}_{key}"] = getattr(level, key)

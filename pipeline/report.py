@@ -45,6 +45,7 @@ class ReportRow:
     engine: str
     quant: str
     status: str | None
+    host: str  # the build host whose metrics file it is: cpu, or gpu (the GPU host's DVC project)
     size_mib: float | None
     ppl_delta_pct: float | None
     kld_mean: float | None
@@ -54,6 +55,8 @@ class ReportRow:
     tokens_per_s_others_cpu_share: float | None = None
     serving_status: str | None = None
     serving: list[ServingPoint] = field(default_factory=list)
+    serving_device: str | None = None  # where the serving benchmark ran (a GPU's name, or cpu)
+    bound_share_c1: float | None = None  # concurrency 1's share of the bandwidth bound
 
     @classmethod
     def from_metrics(cls, record: dict[str, Any]) -> ReportRow:
@@ -66,6 +69,7 @@ class ReportRow:
             engine=record.get("engine") or "-",
             quant=record.get("quant") or "-",
             status=record.get("status"),
+            host=record.get("host") or "cpu",
             size_mib=record.get("size_mib"),
             ppl_delta_pct=record.get("ppl_delta_pct"),
             kld_mean=record.get("kld_mean"),
@@ -75,7 +79,14 @@ class ReportRow:
             tokens_per_s_others_cpu_share=record.get("tokens_per_s_others_cpu_share"),
             serving_status=record.get(f"serving_{record.get('engine')}"),
             serving=[ServingPoint(c, **levels[c]) for c in sorted(levels)],
+            serving_device=record.get("serving_device"),
+            bound_share_c1=record.get("serving_bound_share_c1"),
         )
+
+    @property
+    def measured_on(self) -> str:
+        """Where its serving numbers come from, for the table and the chart's series."""
+        return self.serving_device or f"{self.host} host"
 
     def at(self, concurrency: int | None) -> ServingPoint | None:
         """The level measured at `concurrency` (the lowest one for None)."""
@@ -135,7 +146,7 @@ def _serving_chart(alt: Any, rows: list[ReportRow]) -> Any:
     values = [
         {"target": r.target, "engine": r.engine, "concurrency": p.concurrency,
          "ttft_ms_p99": p.ttft_ms_p99, "output_tokens_per_s": p.output_tokens_per_s,
-         "itl_ms_p99": p.itl_ms_p99}
+         "itl_ms_p99": p.itl_ms_p99, "measured_on": r.measured_on, "series": f"{r.target} ({r.measured_on})"}
         for r in rows for p in r.serving
         if p.ttft_ms_p99 is not None and p.output_tokens_per_s is not None
     ]  # fmt: skip
@@ -144,11 +155,11 @@ def _serving_chart(alt: Any, rows: list[ReportRow]) -> Any:
     base = alt.Chart(alt.Data(values=values)).encode(
         x=alt.X("ttft_ms_p99:Q", title="TTFT p99 (ms)"),
         y=alt.Y("output_tokens_per_s:Q", title="output tokens/s"),
-        color=alt.Color("target:N"),
+        color=alt.Color("series:N", title="target (measured on)"),
     )
     lines = base.mark_line(point=True).encode(
         order="concurrency:Q",
-        tooltip=["target:N", "engine:N", "concurrency:Q", "ttft_ms_p99:Q", "itl_ms_p99:Q",
+        tooltip=["target:N", "engine:N", "measured_on:N", "concurrency:Q", "ttft_ms_p99:Q", "itl_ms_p99:Q",
                  "output_tokens_per_s:Q"],
     )  # fmt: skip
     labels = base.mark_text(align="left", dx=6, dy=8, fontSize=10).encode(
@@ -163,8 +174,9 @@ def _serving_chart(alt: Any, rows: list[ReportRow]) -> Any:
 
 
 TABLE_COLUMNS = (
-    "target", "engine", "quant", "status", "size MiB", "ΔPPL %", "KLD", "KLD top-k ≥", "agreement",
-    "tok/s (1 stream)", "serving", "TTFT p99 ms (lowest c)", "output tok/s (highest c)",
+    "target", "engine", "quant", "status", "built on", "size MiB", "ΔPPL %", "KLD", "KLD top-k ≥",
+    "agreement", "tok/s (1 stream)", "serving", "served on", "TTFT p99 ms (lowest c)",
+    "output tok/s (highest c)", "bandwidth bound (c=1)",
 )  # fmt: skip
 
 
@@ -186,15 +198,17 @@ def _table(rows: list[ReportRow]) -> str:
     for r in rows:
         low, high = r.at(None), (r.serving[-1] if r.serving else None)
         cells = (
-            _cell(r.target), _cell(r.engine), _cell(r.quant), _cell(r.status), _cell(r.size_mib, ".1f"),
+            _cell(r.target), _cell(r.engine), _cell(r.quant), _cell(r.status), _cell(f"{r.host} host"),
+            _cell(r.size_mib, ".1f"),
             _cell(r.ppl_delta_pct, "+.2f"), _cell(r.kld_mean, ".4f"), _cell(r.kld_topk_mean, ".4f"),
             _cell(r.token_agreement, ".3f"),
             _cell(r.tokens_per_s, ".1f") + _contended(r.tokens_per_s_others_cpu_share),
-            _cell(r.serving_status),
+            _cell(r.serving_status), _cell(r.measured_on if r.serving else None),
             _cell(low and low.ttft_ms_p99, ".0f") + (f" (c={low.concurrency})" if low else "")
             + _contended(low and low.others_cpu_share),
             _cell(high and high.output_tokens_per_s, ".1f") + (f" (c={high.concurrency})" if high else "")
             + _contended(high and high.others_cpu_share),
+            _cell(r.bound_share_c1, ".0%"),
         )  # fmt: skip
         body.append(f'<tr class="status-{html.escape(r.status or "none")}">' + "".join(
             f"<td>{c}</td>" for c in cells) + "</tr>")  # fmt: skip
@@ -239,7 +253,9 @@ tr.status-failed td {{ background: #fde8e8; }}
 <h1>{title}</h1>
 <p>{len(rows)} targets. ΔPPL, KLD and agreement against the recipe's fp32 transformers reference;
 KLD top-k ≥ is the lower bound from an engine's top-64 logprobs; serving numbers from the recipe's
-serving benchmark (GuideLLM under each artifact's serve command).</p>
+serving benchmark (GuideLLM under each artifact's serve command), each on the host that measured it
+(a target built on both the CPU host and the GPU host is a row each); the bandwidth bound is
+concurrency 1's output tokens/s over what the GPU's memory bandwidth allows (pipeline.decode_bound).</p>
 {_table(rows)}
 {divs}
 <script>{script}</script>

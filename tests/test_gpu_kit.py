@@ -97,3 +97,28 @@ def test_a_model_spread_over_devices_is_made_whole_in_place() -> None:
     assert torch.equal(model.model.rotary_emb.inv_freq, reference)
     ranges = bench.activation_ranges(model, list(range(32)), torch.float16)
     assert ranges["finite"] == 1.0 and 1.0 < ranges["logits_std"] < 10.0
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "benchmarks" / "gpu").glob("*.yaml")))
+def test_each_kit_recipe_loads_once_its_checkpoint_is_made(tmp_path: Path, recipe: str) -> None:
+    """The kit's recipes are checked only on the GPU host, where a mistake costs device minutes:
+    each loads here with @WORK@ replaced and a checkpoint directory holding its shape's config."""
+    import json
+
+    import yaml
+
+    from pipeline.constants import KNOWN_HUB_CONFIGS
+    from pipeline.recipe import load_recipe
+
+    text = (REPO / "benchmarks" / "gpu" / recipe).read_text().replace("@WORK@", str(tmp_path))
+    source = Path(yaml.safe_load(text)["source"]["path"])
+    source.mkdir(parents=True)
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        **KNOWN_HUB_CONFIGS["Qwen/Qwen2-7B-Instruct"],
+    }
+    (source / "config.json").write_text(json.dumps(config))
+    (tmp_path / recipe).write_text(text)
+    loaded = load_recipe(tmp_path / recipe)
+    assert loaded.recipe.targets and loaded.recipe.source.path == str(source)

@@ -131,3 +131,25 @@ def test_numbers_measured_on_a_busy_host_are_marked_contended() -> None:
     marked = [c for c in cells if "contended" in c]
     assert len(marked) == 2 and "other processes used 60% of the CPUs" in "".join(marked)
     assert any(c.startswith("50.0 ") for c in marked)  # tokens/s, 90 % busy
+
+
+def test_a_target_built_on_both_hosts_is_a_row_each_saying_where_it_was_served(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    """The GPU host's numbers (its DVC project's metrics) beside the CPU host's: a row each, the
+    GPU's name and concurrency 1's share of its bandwidth bound in the table."""
+    from pipeline.constants import GPU_METRICS_DIRNAME
+    from pipeline.project import Project
+    from pipeline.report import _table, report_rows
+
+    recipe = _built(tiny_recipe_dir, _isolated_artifacts)
+    gpu = _isolated_artifacts / "tiny" / GPU_METRICS_DIRNAME
+    gpu.mkdir()
+    record = _metrics("gguf-q4_0", "llama.cpp", "Q4_0", "passed", 88.0, 24.0, {1: (40.0, 180.0)})
+    record |= {"serving_device": "NVIDIA H100 80GB HBM3", "serving_bound_share_c1": 0.42}
+    (gpu / "gguf-q4_0.json").write_text(json.dumps(record))
+    rows = report_rows(Project.open(recipe).report())
+    q4 = [r for r in rows if r.target == "gguf-q4_0"]
+    assert [(r.host, r.measured_on) for r in q4] == [("cpu", "cpu host"), ("gpu", "NVIDIA H100 80GB HBM3")]
+    table = _table(rows)
+    assert table.count("<tr class=") == 4 and "NVIDIA H100 80GB HBM3" in table and "<td>42%</td>" in table

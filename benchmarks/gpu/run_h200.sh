@@ -204,11 +204,17 @@ case "${1:-}" in
     [ "$shape" = llama2-70b ] && arch=llama  # SHAPE=llama2-70b: a Llama, over every GPU (tp_size 4)
     [ -f "$WORK/$shape-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
       "$WORK/$shape-$arch" --arch $arch --shape "$shape" --tokenizer "$tokenizer"
-    for r in qwen2-7b-shape qwen2-7b-shape-llama qwen2.5-32b-shape llama2-70b-shape; do  # replaced whole: the other stream may be reading it
+    for r in qwen2-7b-shape qwen2-7b-shape-llama qwen2-7b-serving qwen2.5-32b-shape llama2-70b-shape; do  # replaced whole: the other stream may be reading it
       sed "s#@WORK@#$WORK#g" "benchmarks/gpu/$r.yaml" > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
     done
     flock -u 9
     recipe=$WORK/$shape-shape.yaml targets=${2:-modelopt-fp8}
+    # SERVING=1: the serving table's recipe (issue 26), the GPU to itself; raw step `serve` adds the
+    # engines called with their defaults; the bf16 source's own row comes first
+    if [ "${SERVING:-0}" = 1 ]; then
+      recipe=$WORK/qwen2-7b-serving.yaml
+      bench serve-source "$recipe" --json "$RESULTS" 2>&1 | tail -c 4000
+    fi
     [ "$arch" = llama ] && [ "$shape" = qwen2-7b ] && recipe=$WORK/qwen2-7b-shape-llama.yaml targets=gguf-q8_0,gguf-q4_0,gguf-iq4_xs
     bench run "$recipe" --targets "$targets" --model "$shape-shape ($arch)" \
       --raw-steps "${3:-convert,quantize,checkpoint,validate}" \

@@ -28,7 +28,9 @@ case "${1:-}" in
     mkdir -p "$SCRATCH"
     # whatever this call carried: a part, the checksum, the caches (2026-12-05: a call carrying only
     # the checksum and the caches stopped at a missing part.* and copied neither)
-    for f in .whl/part.* .whl/bundle.sha256 .whl/triton-cache.tgz.part-*; do [ -f "$f" ] && cp "$f" "$SCRATCH"/; done
+    for f in .whl/part.* .whl/bundle.sha256 .whl/triton-cache.tgz.part-* .whl/llama_cpp_python-*.whl; do
+      [ -f "$f" ] && cp "$f" "$SCRATCH"/
+    done
     ls -la "$SCRATCH"
     ;;
   install)
@@ -74,6 +76,19 @@ case "${1:-}" in
         "$site" "$extra" > "/tmp/pipeline-envs/$env/python"
       chmod +x "/tmp/pipeline-envs/$env/python"
       echo "$env: $(ls "$dir" | wc -l) files -> $site"
+    done
+    # a CUDA build of llama-cpp-python (benchmarks/gpu/llama-cuda.sh: sm90, CUDA 13.0; 44 MiB, one
+    # call of its own) replaces the portable one: GGUF targets with n_gpu_layers -1 then run on the
+    # GPU. Its libraries find their neighbours by RUNPATH $ORIGIN, so the CUDA runtime's go beside them
+    for w in llama_cpp_python-*.whl; do
+      [ -f "$w" ] || continue
+      rm -rf /tmp/pipeline-site/core/llama_cpp && python3 -m zipfile -e "$w" /tmp/pipeline-site/core
+      cp -L /usr/local/cuda/lib64/libcudart.so.13 /usr/local/cuda/lib64/libcublas.so.13 \
+        /usr/local/cuda/lib64/libcublasLt.so.13 /tmp/pipeline-site/core/llama_cpp/lib/ || true
+      # said, not fatal: the other environments do not depend on it
+      python3 -c "import sys; sys.path.insert(0, '/tmp/pipeline-site/core'); import llama_cpp as l; \
+print('llama.cpp CUDA build:', l.__version__, 'GPU offload', l.llama_supports_gpu_offload())" \
+        || echo "llama.cpp CUDA build: does not load here (above); GGUF steps will fail"
     done
     ;;
   *)

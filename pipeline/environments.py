@@ -175,31 +175,29 @@ def check_step_reply(env: str, op: str, reply: dict[str, Any]) -> None:
 ENGINE_OPS = frozenset({"validate", "serve_check", "benchmark"})
 
 
-@functools.cache
-def local_gpu_arch() -> str | None:
-    """This host's first NVIDIA GPU as `sm<major><minor>` (nvidia-smi), or None; asked once."""
+def _first_gpu(field: str) -> str | None:
+    """nvidia-smi's `field` of this host's first NVIDIA GPU, or None without one."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
-        ).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    first = out.strip().splitlines()[0] if out.strip() else ""
-    return "sm" + first.replace(".", "") if first else None
-
-
-@functools.cache
-def local_gpu_name() -> str | None:
-    """This host's first NVIDIA GPU's name as nvidia-smi gives it, or None; asked once."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
             capture_output=True, text=True, timeout=30, check=True,
         ).stdout  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None
     return out.strip().splitlines()[0].strip() if out.strip() else None
+
+
+@functools.cache
+def local_gpu_arch() -> str | None:
+    """This host's first NVIDIA GPU as `sm<major><minor>`, or None; asked once."""
+    cap = _first_gpu("compute_cap")
+    return "sm" + cap.replace(".", "") if cap else None
+
+
+@functools.cache
+def local_gpu_name() -> str | None:
+    """This host's first NVIDIA GPU's name as nvidia-smi gives it, or None; asked once."""
+    return _first_gpu("name")
 
 
 def gpu_engine_lock_path() -> Path | None:

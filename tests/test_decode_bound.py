@@ -3,6 +3,7 @@ from a server's log (pipeline.serving): real checkpoint headers, real engine log
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +115,31 @@ def test_the_reservation_knob_each_engine_s_serve_command_carries() -> None:
     assert memory_setting(ENGINE_VLLM, serve) == {"gpu_memory_utilization": 0.5}
     assert memory_setting(ENGINE_SGLANG, serve) == {"mem_fraction_static": 0.85}
     assert memory_setting(ENGINE_LLAMACPP, serve) == {"n_ctx": 2048}
+
+
+def test_the_hosts_gpu_name_and_architecture_come_from_nvidia_smi(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The serving record's `device` is the name the bandwidth table is keyed by; a host without
+    nvidia-smi has neither."""
+    from pipeline import environments
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        '#!/bin/sh\ncase "$1" in --query-gpu=compute_cap) printf "9.0\\n9.0\\n";;\n'
+        '  --query-gpu=name) printf "NVIDIA H100 80GB HBM3\\nNVIDIA H100 80GB HBM3\\n";; esac\n'
+    )
+    smi.chmod(0o755)
+    for found in (environments.local_gpu_arch, environments.local_gpu_name):
+        found.cache_clear()
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    try:
+        assert environments.local_gpu_arch() == "sm90"
+        assert environments.local_gpu_name() == "NVIDIA H100 80GB HBM3"
+        monkeypatch.setenv("PATH", "/nonexistent")
+        for found in (environments.local_gpu_arch, environments.local_gpu_name):
+            found.cache_clear()
+        assert environments.local_gpu_arch() is None and environments.local_gpu_name() is None
+    finally:
+        for found in (environments.local_gpu_arch, environments.local_gpu_name):
+            found.cache_clear()

@@ -135,6 +135,7 @@ class ServingLevel(_Model):
     itl_ms_p99: float | None = None
     output_tokens_per_s: float | None = None
     requests_per_s: float | None = None
+    output_tokens_mean: float | None = None  # per successful request (the workload fixes it)
     peak_rss_mib: float | None = None  # the server's process group
     peak_gpu_mib: float | None = None  # device-wide, None without an NVIDIA GPU
     others_cpu_share: float | None = None  # other processes' share of the host's CPUs meanwhile

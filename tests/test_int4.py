@@ -293,6 +293,6 @@ def test_vllm_validates_and_serves_at_tensor_parallel_size_two_on_cpu(
     result = bench[ENGINE_VLLM]
     assert result.status == "passed", result.reason
     [level] = result.levels.values()  # concurrency 1
-    assert level.completed and level.output_tokens_per_s
+    assert level.completed and level.output_tokens_per_s and level.output_tokens_mean == 8  # forced length
     assert result.device == "cpu" and result.kv_cache and result.kv_cache["tokens"] > 0
     assert result.decode_bound and result.decode_bound.kv_bytes == 2 * 2 * 1 * 64 * 2 * 24  # 16 + 8 tokens

@@ -191,6 +191,7 @@ def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> N
             assert 0 < level["completed"] <= serving["workload"]["requests"] and level["errored"] == 0
             assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p99"] and level["itl_ms_p50"] > 0
             assert level["output_tokens_per_s"] > 0 and level["peak_rss_mib"] > 100
+            assert level["output_tokens_mean"] == serving["workload"]["output_tokens"]  # forced length
         # where it ran, the serve command's reservation, the KV cache its server logged at start, and
         # the bytes a decoded token reads (SmolLM2's head is its embedding table: every tensor counts)
         assert serving["device"] == "cpu" and serving["gpu_arch"] is None and serving["memory_setting"]

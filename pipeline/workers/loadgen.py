@@ -186,6 +186,9 @@ def parse_report(report: dict[str, Any]) -> list[tuple[dict[str, Any], tuple[flo
             "itl_ms_p99": pct("inter_token_latency_ms", "p99"),
             # `successful`, not `total`: total counts errored requests as served ones
             "output_tokens_per_s": m["output_tokens_per_second"]["successful"]["mean"],
+            # the answers' length: the workload's output_tokens when the server honoured ignore_eos
+            # and no answer was cut short (an interrupted stream ends early and counts fewer)
+            "output_tokens_mean": m["output_token_count"]["successful"]["mean"],
             "requests_per_s": m["requests_per_second"]["successful"]["mean"],
         }
         levels.append((level, (bench["start_time"], bench["end_time"])))

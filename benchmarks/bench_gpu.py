@@ -37,12 +37,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pipeline.constants import ENGINES, ENV_GUIDELLM, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS  # noqa: E402
+from pipeline.constants import ENV_GUIDELLM, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS  # noqa: E402
 from pipeline.engines.serving import ARTIFACT_DIR, free_port  # noqa: E402
-from pipeline.environments import UsageSampler, environment, interpreter, run_step  # noqa: E402
+from pipeline.environments import UsageSampler, environment, run_step  # noqa: E402
 from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.project import Project  # noqa: E402
-from pipeline.serving import READY_TIMEOUT_S, server_env  # noqa: E402
+from pipeline.serving import load_request, load_timeout_s  # noqa: E402
 
 RAW = REPO / "benchmarks" / "raw_tools.py"
 
@@ -464,25 +464,9 @@ def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> di
     port = free_port()
     argv = [*RAW_SERVERS[engine], "--host", "127.0.0.1", "--port", str(port)]
     tokenizer = model_dir if (model_dir / "tokenizer.json").is_file() else project.context().source.path
-    per_level = spec.max_seconds_per_level + 60
+    request = load_request(engine, argv, 1, model_dir, tokenizer, spec, log.with_suffix(".server.log"), port)
     try:
-        got = run_step(
-            ENV_GUIDELLM,
-            {
-                "op": "benchmark",
-                "argv": argv,
-                "python": interpreter(ENGINES[engine].env),
-                "server_env": server_env(engine, 1),
-                "model_dir": str(model_dir),
-                "tokenizer": str(tokenizer),
-                "workload": spec.workload(),
-                "server_log": str(log.with_suffix(".server.log")),
-                "ready_timeout_s": READY_TIMEOUT_S,
-                "port": port,
-            },
-            log,
-            timeout_s=READY_TIMEOUT_S + per_level * len(spec.concurrency) + 60,
-        )
+        got = run_step(ENV_GUIDELLM, request, log, timeout_s=load_timeout_s(spec))
     except PipelineError as exc:  # the row records why; the run goes on
         return {"status": "failed", "reason": str(exc), "command": " ".join(argv)}
     return {

@@ -211,7 +211,8 @@ class Engine:
     benchmarked: bool  # the serving benchmark drives its server (OpenAI completions) here
     server_env: dict[str, str] = field(default_factory=dict)  # what its servers need besides the command
     memory_knob: str | None = None  # the serve spec's field that sizes its memory reservation
-    # the line its server logs when it allocates the KV cache: named groups `tokens` and `mib`/`gib`
+    # the line its server logs when it allocates the KV cache: named group `tokens`, and its size
+    # where the engine says it, as `mib` or as `k_gb` and `v_gb` (pipeline.serving.kv_cache_report)
     kv_cache_log: str | None = None
 
 

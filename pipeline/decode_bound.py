@@ -46,6 +46,11 @@ def weights_read_per_token(tensor_bytes: dict[str, int]) -> int:
     return total if tied else total - embedding
 
 
+def checkpoint_weights_read(model_dir: Path) -> int:
+    """weights_read_per_token of a safetensors checkpoint (0 where it has none)."""
+    return weights_read_per_token(safetensors_tensor_bytes(model_dir))
+
+
 def kv_bytes_per_context_token(config: dict) -> int:
     """K and V of one token in every layer, 16-bit (the model's Hugging Face config.json)."""
     text = config.get("text_config", config)  # multimodal configs nest the decoder's

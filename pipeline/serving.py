@@ -17,17 +17,12 @@ from typing import Any
 
 from pipeline.constants import ENGINE_VLLM, ENGINES, ENV_GUIDELLM, STATUS_PASSED
 from pipeline.context import BuildContext
-from pipeline.decode_bound import (
-    decode_bound,
-    kv_bytes_per_context_token,
-    safetensors_tensor_bytes,
-    weights_read_per_token,
-)
+from pipeline.decode_bound import checkpoint_weights_read, decode_bound, kv_bytes_per_context_token
 from pipeline.engines.serving import ServeArgv, free_port, local_argv
 from pipeline.environments import environment_exists, interpreter, local_gpu_arch, local_gpu_name
 from pipeline.errors import DiskFullError, EngineError
 from pipeline.manifest import DecodeBound, ServingLevel, ServingResult, Validation
-from pipeline.spec import ServeSpec
+from pipeline.spec import ServeSpec, ServingBenchmarkSpec
 from pipeline.workers.vllm import cpu_binding
 
 READY_TIMEOUT_S = 600  # a vLLM CPU server's first start compiles for minutes
@@ -73,33 +68,19 @@ def benchmark(
     tokenizer = artifact if (artifact / "tokenizer.json").is_file() else ctx.source.path
     workload = spec.workload()
     ctx.reporter.step(name, f"serving benchmark: {engine} at concurrency {spec.concurrency}")
-    per_level = spec.max_seconds_per_level + 60  # + a load generator's start
     port = port or free_port()
     serve = ctx.serve(name)
+    server_log = ctx.log_path(f"{name}-{engine_env}-bench-server")
     gpu_arch = local_gpu_arch()
     where = {
         "device": (local_gpu_name() or "gpu") if gpu_arch else "cpu",
         "gpu_arch": gpu_arch,
         "memory_setting": memory_setting(engine, serve),
     }
+    argv = local_argv(serve_argv, serve, port)
+    request = load_request(engine, argv, serve.tp_size, artifact, tokenizer, spec, server_log, port)
     try:
-        got = ctx.step(
-            ENV_GUIDELLM,
-            {
-                "op": "benchmark",
-                "argv": local_argv(serve_argv, serve, port),
-                "python": interpreter(engine_env),
-                "server_env": server_env(engine, serve.tp_size),
-                "model_dir": str(artifact),
-                "tokenizer": str(tokenizer),
-                "workload": workload,
-                "server_log": str(ctx.log_path(f"{name}-{engine_env}-bench-server")),
-                "ready_timeout_s": READY_TIMEOUT_S,
-                "port": port,
-            },
-            f"{name}-bench",
-            timeout_s=READY_TIMEOUT_S + per_level * len(spec.concurrency) + 60,
-        )
+        got = ctx.step(ENV_GUIDELLM, request, f"{name}-bench", timeout_s=load_timeout_s(spec))
     except DiskFullError:
         raise
     except EngineError as exc:
@@ -107,7 +88,6 @@ def benchmark(
     levels = {str(lv["concurrency"]): ServingLevel(**lv) for lv in got["levels"]}
     c1 = levels.get("1")
     bound = _decode_bound(ctx, artifact, workload, weights_read, c1.output_tokens_per_s if c1 else None)
-    server_log = ctx.log_path(f"{name}-{engine_env}-bench-server")
     return {
         engine: ServingResult(
             status=STATUS_PASSED,
@@ -120,6 +100,39 @@ def benchmark(
             decode_bound=bound,
         )
     }
+
+
+def load_request(
+    engine: str,
+    argv: list[str],
+    tp_size: int,
+    model_dir: Path,
+    tokenizer: Path,
+    spec: ServingBenchmarkSpec,
+    server_log: Path,
+    port: int,
+) -> dict[str, Any]:
+    """The load generator's request (pipeline.workers.loadgen): `engine`'s server started by `argv`
+    on loopback `port`, loaded with the recipe's workload. The serving benchmark and the benchmark
+    scripts' engine-with-its-defaults runs both send it, so the two see the same load."""
+    return {
+        "op": "benchmark",
+        "argv": argv,
+        "python": interpreter(ENGINES[engine].env),
+        "server_env": server_env(engine, tp_size),
+        "model_dir": str(model_dir),
+        "tokenizer": str(tokenizer),
+        "workload": spec.workload(),
+        "server_log": str(server_log),
+        "ready_timeout_s": READY_TIMEOUT_S,
+        "port": port,
+    }
+
+
+def load_timeout_s(spec: ServingBenchmarkSpec) -> float:
+    """The whole load step's limit: the server's start, each level and a load generator's start."""
+    per_level = spec.max_seconds_per_level + 60
+    return READY_TIMEOUT_S + per_level * len(spec.concurrency) + 60
 
 
 def memory_setting(engine: str, serve: ServeSpec) -> dict[str, Any]:
@@ -159,10 +172,7 @@ def _decode_bound(
     config = artifact / "config.json"
     config = config if config.is_file() else ctx.source.path / "config.json"
     try:
-        if weights_read is None:
-            weights = weights_read_per_token(safetensors_tensor_bytes(artifact))
-        else:
-            weights = weights_read()
+        weights = weights_read() if weights_read else checkpoint_weights_read(artifact)
         kv = kv_bytes_per_context_token(json.loads(config.read_text()))
     except (OSError, ValueError, KeyError, EngineError):
         return None

@@ -14,7 +14,7 @@ from pydantic import model_validator
 from pipeline.artifacts import Layout
 from pipeline.constants import ENGINES, GPU_ARCHS, KLD_GATES
 from pipeline.context import BuildContext
-from pipeline.decode_bound import safetensors_tensor_bytes, weights_read_per_token
+from pipeline.decode_bound import checkpoint_weights_read
 from pipeline.engines.serving import command_line
 from pipeline.manifest import Validation
 from pipeline.spec import KINDS, ServeSpec, TargetSpec
@@ -105,7 +105,7 @@ class Target(TargetSpec, ABC):
     def weights_read_per_token(self, ctx: BuildContext, name: str, artifact: Path) -> int:
         """Bytes of weights one decoded token reads (pipeline.decode_bound), from the checkpoint's
         safetensors headers; a kind with other files reads its own."""
-        return weights_read_per_token(safetensors_tensor_bytes(artifact))
+        return checkpoint_weights_read(artifact)
 
     def serve_command(self, serve: ServeSpec) -> str:
         """The manifest's `serve.command`: serve_argv, every value shell-quoted (command_line)."""

@@ -458,8 +458,8 @@ RAW_SERVERS = {
 
 
 def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> dict[str, Any]:
-    """GuideLLM at the recipe's serving workload against `engine`'s own server with its defaults on
-    `model_dir` (the load generator and sampler pipeline.serving uses)."""
+    """GuideLLM at the recipe's serving workloads against `engine`'s own server with its defaults on
+    `model_dir` (the load generator and sampler pipeline.serving uses): per workload, its levels."""
     spec = project.loaded.recipe.serving_benchmark
     port = free_port()
     argv = [*RAW_SERVERS[engine], "--host", "127.0.0.1", "--port", str(port)]
@@ -469,46 +469,49 @@ def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> di
         got = run_step(ENV_GUIDELLM, request, log, timeout_s=load_timeout_s(spec))
     except PipelineError as exc:  # the row records why; the run goes on
         return {"status": "failed", "reason": str(exc), "command": " ".join(argv)}
-    return {
-        "status": "passed",
-        "command": " ".join(argv),
-        "levels": {str(lv["concurrency"]): lv for lv in got["levels"]},
-    }
+    runs = [
+        {"workload": load, "levels": {str(lv["concurrency"]): lv for lv in run["levels"]}}
+        for load, run in zip(spec.workloads(), got["runs"], strict=True)
+    ]
+    return {"status": "passed", "command": " ".join(argv), "workloads": runs}
+
+
+LEVEL_KEYS = ("output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "peak_gpu_mib")
 
 
 def serving_rows(project: Project, target: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    """The artifact's serving benchmark (its manifest) beside its engine called directly, per level:
-    output tokens/s, TTFT and ITL p50, and the ratio project / raw."""
+    """The artifact's serving benchmark (its manifest) beside its engine called directly, per
+    workload and level: output tokens/s, TTFT and ITL p50, peak GPU memory, the ratio project / raw."""
     engine = manifest["engine"]
     ours = (manifest.get("serving") or {}).get(engine) or {}
     if ours.get("status") != "passed":
         return {"status": ours.get("status", "not run"), "reason": ours.get("reason")}
     log = project.layout.logs_dir / f"{target}-raw-serving.log"
     raw = raw_serving(project, engine, project.layout.target_dir(target), log)
-    levels = {}
-    for c, level in ours["levels"].items():
-        other = (raw.get("levels") or {}).get(c) or {}
-        tps, raw_tps = level.get("output_tokens_per_s"), other.get("output_tokens_per_s")
-        levels[c] = {
-            "project": {
-                k: level.get(k) for k in ("output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "peak_gpu_mib")
-            },
-            "raw": {
-                k: other.get(k) for k in ("output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "peak_gpu_mib")
-            },
-            "ratio": round(tps / raw_tps, 3) if tps and raw_tps else None,
-        }
+    raw_runs = raw.get("workloads") or [{} for _ in range(1 + len(ours.get("more_workloads", [])))]
+    workloads = []
+    for run, raw_run in zip([ours, *ours.get("more_workloads", [])], raw_runs, strict=True):
+        levels = {}
+        for c, level in run["levels"].items():
+            other = (raw_run.get("levels") or {}).get(c) or {}
+            tps, raw_tps = level.get("output_tokens_per_s"), other.get("output_tokens_per_s")
+            levels[c] = {
+                "project": {k: level.get(k) for k in LEVEL_KEYS},
+                "raw": {k: other.get(k) for k in LEVEL_KEYS},
+                "ratio": round(tps / raw_tps, 3) if tps and raw_tps else None,
+            }
+        workloads.append(
+            {"workload": run["workload"], "decode_bound": run.get("decode_bound"), "levels": levels}
+        )
     return {
         "status": "passed",
-        "workload": ours.get("workload"),
         "device": ours.get("device"),
         "memory_setting": ours.get("memory_setting"),
         "kv_cache": ours.get("kv_cache"),
-        "decode_bound": ours.get("decode_bound"),
         "raw_command": raw.get("command"),
         "raw_status": raw["status"],
         "raw_reason": raw.get("reason"),
-        "levels": levels,
+        "workloads": workloads,
     }
 
 
@@ -587,33 +590,36 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def serving_markdown(rows: list[dict[str, Any]], num: Any) -> str:
-    """Each serving row per concurrency level: through the project's serve command beside the engine
-    called with its defaults (tokens/s, ratio), latencies, share of the bandwidth bound at 1."""
+    """Each serving row per workload and concurrency level: through the project's serve command
+    beside the engine called with its defaults (tokens/s, ratio), latencies, share of the bandwidth
+    bound at 1. A serve-source row has the raw side only."""
     lines = []
     for r in rows:
         serving = r.get("serving")
         if not serving:
             continue
-        if serving.get("status") != "passed" or "levels" not in serving:
+        if serving.get("status") != "passed" or "workloads" not in serving:
             why = f"{serving.get('status')}: {serving.get('reason')}"
             lines.append(f"| {r['target']} | {r.get('engine', '–')} | {why} |")
             continue
-        bound = serving.get("decode_bound") or {}
-        for c, level in sorted(serving["levels"].items(), key=lambda kv: int(kv[0])):
-            ours, raw = (level.get("project"), level.get("raw")) if "raw" in level else (None, level)
-            share = num(bound.get("share_c1"), ".0%") if c == "1" and bound else "–"
-            tps, raw_tps = (ours or {}).get("output_tokens_per_s"), raw.get("output_tokens_per_s")
-            lines.append(
-                f"| {r['target']} | {r.get('engine', '–')} | {c} | {num(tps, '.1f')} | "
-                f"{num(raw_tps, '.1f')} | "
-                f"{num(level.get('ratio'), '.3f')} | {num((ours or raw).get('ttft_ms_p50'), '.0f')} | "
-                f"{num((ours or raw).get('itl_ms_p50'), '.2f')} | {share} |"
-            )
+        for run in serving["workloads"]:
+            shape = f"{run['workload']['prompt_tokens']}/{run['workload']['output_tokens']}"
+            bound = run.get("decode_bound") or {}
+            for c, level in sorted(run["levels"].items(), key=lambda kv: int(kv[0])):
+                ours, raw = (level.get("project"), level.get("raw")) if "raw" in level else (None, level)
+                share = num(bound.get("share_c1"), ".0%") if c == "1" and bound else "–"
+                tps, raw_tps = (ours or {}).get("output_tokens_per_s"), raw.get("output_tokens_per_s")
+                lines.append(
+                    f"| {r['target']} | {r.get('engine', '–')} | {shape} | {c} | {num(tps, '.1f')} | "
+                    f"{num(raw_tps, '.1f')} | "
+                    f"{num(level.get('ratio'), '.3f')} | {num((ours or raw).get('ttft_ms_p50'), '.0f')} | "
+                    f"{num((ours or raw).get('itl_ms_p50'), '.2f')} | {share} |"
+                )
     if not lines:
         return ""
     head = (
-        "\n| target | engine | concurrency | project tok/s | raw tok/s | ratio | TTFT p50 ms | ITL p50 ms | "
-        "share of bound |\n|---|---|---|---|---|---|---|---|---|\n"
+        "\n| target | engine | prompt/output tokens | concurrency | project tok/s | raw tok/s | ratio | "
+        "TTFT p50 ms | ITL p50 ms | share of bound |\n|---|---|---|---|---|---|---|---|---|---|\n"
     )
     return head + "\n".join(lines) + "\n"
 

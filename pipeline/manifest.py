@@ -160,9 +160,20 @@ class DecodeBound(_Model):
     flag: str | None = None  # set below pipeline.decode_bound.LOW_SHARE
 
 
+class WorkloadRun(_Model):
+    """The serving benchmark's numbers at one more workload (the recipe's more_workloads), measured
+    on the same server after the first."""
+
+    workload: dict[str, Any]
+    seconds: float | None = None
+    levels: dict[str, ServingLevel] = {}  # str(concurrency) -> numbers
+    decode_bound: DecodeBound | None = None
+
+
 class ServingResult(_Model):
     """One engine's serving benchmark of an artifact, through its serve command (pipeline.serving).
-    It never changes the artifact's bytes or its validation verdict."""
+    It never changes the artifact's bytes or its validation verdict. `workload`, `levels` and
+    `decode_bound` are the first workload's; `more_workloads` the recipe's further shapes."""
 
     status: Status
     reason: str | None = None
@@ -175,6 +186,7 @@ class ServingResult(_Model):
     memory_setting: dict[str, Any] = {}  # the serve command's reservation knob and its value
     kv_cache: dict[str, Any] | None = None  # what the server logged when it allocated its KV cache
     decode_bound: DecodeBound | None = None
+    more_workloads: list[WorkloadRun] = []
 
 
 class ServeInfo(_Model):

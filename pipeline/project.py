@@ -391,9 +391,8 @@ def inputs_sha256(
     """Everything that decides an artifact's bytes and its validation numbers: the spec, the
     source, the shared recipe sections, the reference's inputs, each environment's versions."""
     r = ctx.loaded.recipe
-    # as recorded before `serving_benchmark.targets` existed: the workload with `enabled`, or None
     bench = r.serving_benchmark
-    benchmarked = {"enabled": True, **bench.workload()} if bench.benchmarks(name) else None
+    benchmarked = bench.hashed() if bench.benchmarks(name) else None
     return json_sha256(
         {
             "schema": MANIFEST_SCHEMA,

@@ -21,7 +21,7 @@ from pipeline.decode_bound import checkpoint_weights_read, decode_bound, kv_byte
 from pipeline.engines.serving import ServeArgv, free_port, local_argv
 from pipeline.environments import environment_exists, interpreter, local_gpu_arch, local_gpu_name
 from pipeline.errors import DiskFullError, EngineError
-from pipeline.manifest import DecodeBound, ServingLevel, ServingResult, Validation
+from pipeline.manifest import DecodeBound, ServingLevel, ServingResult, Validation, WorkloadRun
 from pipeline.spec import ServeSpec, ServingBenchmarkSpec
 from pipeline.workers.vllm import cpu_binding
 
@@ -67,7 +67,8 @@ def benchmark(
         }
     tokenizer = artifact if (artifact / "tokenizer.json").is_file() else ctx.source.path
     workload = spec.workload()
-    ctx.reporter.step(name, f"serving benchmark: {engine} at concurrency {spec.concurrency}")
+    shapes = ", ".join(f"{w['prompt_tokens']}/{w['output_tokens']}" for w in spec.workloads())
+    ctx.reporter.step(name, f"serving benchmark: {engine} at concurrency {spec.concurrency}, tokens {shapes}")
     port = port or free_port()
     serve = ctx.serve(name)
     server_log = ctx.log_path(f"{name}-{engine_env}-bench-server")
@@ -85,19 +86,26 @@ def benchmark(
         raise
     except EngineError as exc:
         return {engine: ServingResult(status="failed", reason=str(exc), workload=workload, **where)}
-    levels = {str(lv["concurrency"]): ServingLevel(**lv) for lv in got["levels"]}
-    c1 = levels.get("1")
-    bound = _decode_bound(ctx, artifact, workload, weights_read, c1.output_tokens_per_s if c1 else None)
+    bound = _decode_bound(ctx, artifact, weights_read)
+    runs = []
+    for load, run in zip(spec.workloads(), got["runs"], strict=True):
+        levels = {str(lv["concurrency"]): ServingLevel(**lv) for lv in run["levels"]}
+        seconds = round(run["seconds"], 2)
+        runs.append(
+            WorkloadRun(workload=load, seconds=seconds, levels=levels, decode_bound=bound(load, levels))
+        )
+    first, *more = runs
     return {
         engine: ServingResult(
             status=STATUS_PASSED,
             tool=got["tool"],
             workload=workload,
             seconds=round(got["seconds"], 2),
-            levels=levels,
+            levels=first.levels,
             **where,
             kv_cache=kv_cache_report(engine, server_log.read_text(errors="replace")),
-            decode_bound=bound,
+            decode_bound=first.decode_bound,
+            more_workloads=more,
         )
     }
 
@@ -122,7 +130,7 @@ def load_request(
         "server_env": server_env(engine, tp_size),
         "model_dir": str(model_dir),
         "tokenizer": str(tokenizer),
-        "workload": spec.workload(),
+        "workloads": spec.workloads(),
         "server_log": str(server_log),
         "ready_timeout_s": READY_TIMEOUT_S,
         "port": port,
@@ -130,9 +138,10 @@ def load_request(
 
 
 def load_timeout_s(spec: ServingBenchmarkSpec) -> float:
-    """The whole load step's limit: the server's start, each level and a load generator's start."""
+    """The whole load step's limit: the server's start, then per workload each level and a load
+    generator's start."""
     per_level = spec.max_seconds_per_level + 60
-    return READY_TIMEOUT_S + per_level * len(spec.concurrency) + 60
+    return READY_TIMEOUT_S + (per_level * len(spec.concurrency) + 60) * len(spec.workloads())
 
 
 def memory_setting(engine: str, serve: ServeSpec) -> dict[str, Any]:
@@ -161,22 +170,25 @@ def kv_cache_report(engine: str, server_log: str) -> dict[str, Any] | None:
 
 
 def _decode_bound(
-    ctx: BuildContext,
-    artifact: Path,
-    workload: dict[str, Any],
-    weights_read: Callable[[], int] | None,
-    tokens_per_s_c1: float | None,
-) -> DecodeBound | None:
-    """Batch-1 decoding's bandwidth bound on this host's GPU (pipeline.decode_bound), or None where
-    the artifact's weights or the model's shape cannot be read."""
+    ctx: BuildContext, artifact: Path, weights_read: Callable[[], int] | None
+) -> Callable[[dict[str, Any], dict[str, ServingLevel]], DecodeBound | None]:
+    """Batch-1 decoding's bandwidth bound on this host's GPU (pipeline.decode_bound) for a workload
+    and its concurrency-1 level: the weights and the model's shape are read once, and where they
+    cannot be read every bound is None."""
     config = artifact / "config.json"
     config = config if config.is_file() else ctx.source.path / "config.json"
     try:
         weights = weights_read() if weights_read else checkpoint_weights_read(artifact)
         kv = kv_bytes_per_context_token(json.loads(config.read_text()))
     except (OSError, ValueError, KeyError, EngineError):
-        return None
-    if not weights:
-        return None
-    context = workload["prompt_tokens"] + workload["output_tokens"]
-    return decode_bound(weights, kv, context, local_gpu_name(), tokens_per_s_c1)
+        weights = 0
+    gpu = local_gpu_name()
+
+    def bound(workload: dict[str, Any], levels: dict[str, ServingLevel]) -> DecodeBound | None:
+        c1 = levels.get("1")
+        if not weights:
+            return None
+        context = workload["prompt_tokens"] + workload["output_tokens"]
+        return decode_bound(weights, kv, context, gpu, c1.output_tokens_per_s if c1 else None)
+
+    return bound

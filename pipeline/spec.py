@@ -203,6 +203,13 @@ class ServeSpec(Strict):
         return value
 
 
+class WorkloadShape(Strict):
+    """One more request shape for the serving benchmark: prompt and output tokens per request."""
+
+    prompt_tokens: int = Field(ge=1, le=131_072)
+    output_tokens: int = Field(ge=1, le=32_768)
+
+
 class ServingBenchmarkSpec(Strict):
     """The serving benchmark every passing artifact gets after validation (pipeline.serving): its
     own serve command under a fixed synthetic load, one GuideLLM run per concurrency level. It never
@@ -212,6 +219,9 @@ class ServingBenchmarkSpec(Strict):
     serving_benchmark: {enabled: true, prompt_tokens: 64, output_tokens: 32, concurrency: [1, 4]}
     ```
     `targets: [gguf-q4_0, awq]` benchmarks only those (default: every target of the recipe).
+    `more_workloads: [{prompt_tokens: 2048, output_tokens: 256}]` runs each further shape after the
+    first on the same server, at the same levels and bounds; the first is the one `registry
+    select`, the metrics and the report read.
     """
 
     enabled: bool = False
@@ -222,6 +232,7 @@ class ServingBenchmarkSpec(Strict):
     requests: int = Field(8, ge=1, le=100_000)  # per concurrency level
     max_seconds_per_level: float = Field(120, gt=0)
     seed: int = 0
+    more_workloads: list[WorkloadShape] = []
 
     @field_validator("concurrency")
     @classmethod
@@ -230,14 +241,33 @@ class ServingBenchmarkSpec(Strict):
             raise ValueError("concurrency levels are distinct positive integers")
         return sorted(value)
 
+    @model_validator(mode="after")
+    def _distinct_shapes(self) -> ServingBenchmarkSpec:
+        shapes = [(w["prompt_tokens"], w["output_tokens"]) for w in self.workloads()]
+        repeated = sorted({s for s in shapes if shapes.count(s) > 1})
+        if repeated:
+            raise ValueError(f"more_workloads repeats the shape (prompt, output) {repeated[0]}")
+        return self
+
     def benchmarks(self, target: str) -> bool:
         """Whether `target`'s passing artifact gets the benchmark."""
         return self.enabled and (self.targets is None or target in self.targets)
 
     def workload(self) -> dict[str, Any]:
-        """What a benchmarked manifest records and its inputs hash reads: the load, not the choice
-        of targets (so benchmarking fewer targets leaves the others' records and hashes alone)."""
-        return self.model_dump(exclude={"enabled", "targets"})
+        """The first load, as a benchmarked manifest records it: not the choice of targets (so
+        benchmarking fewer targets leaves the others' records and hashes alone)."""
+        return self.model_dump(exclude={"enabled", "targets", "more_workloads"})
+
+    def workloads(self) -> list[dict[str, Any]]:
+        """Every load in the order they run: the first, then each of more_workloads."""
+        first = self.workload()
+        return [first, *({**first, **shape.model_dump()} for shape in self.more_workloads)]
+
+    def hashed(self) -> dict[str, Any]:
+        """What a benchmarked artifact's inputs hash reads: the first load, and the further shapes
+        only where there are some (recipes without them keep the hashes they had)."""
+        more = [shape.model_dump() for shape in self.more_workloads]
+        return {"enabled": True, **self.workload(), **({"more_workloads": more} if more else {})}
 
 
 class CalibrationOverride(Strict):

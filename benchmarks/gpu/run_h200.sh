@@ -8,7 +8,9 @@
 #                                           raw repeats of the step ops R (default all)
 #   benchmarks/gpu/run_h200.sh qwen2-7b T R 7B-shaped random checkpoint, targets T of
 #                                           benchmarks/gpu/qwen2-7b-shape.yaml (T=gguf: the Llama-declared one;
-#                                           SHAPE=qwen2.5-32b: the 32B shape, qwen2.5-32b-shape.yaml)
+#                                           SHAPE=qwen2.5-32b: the 32B shape, qwen2.5-32b-shape.yaml;
+#                                           SERVING=1: the serving table, qwen2-7b-serving(-llama).yaml,
+#                                           raw step `serve` for the engines with their defaults)
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment;
 #                                           TESTS_K: only the tests a -k expression selects; TESTS:
 #                                           the node ids to run, in that order, default tests/)
@@ -204,18 +206,22 @@ case "${1:-}" in
     [ "$shape" = llama2-70b ] && arch=llama  # SHAPE=llama2-70b: a Llama, over every GPU (tp_size 4)
     [ -f "$WORK/$shape-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
       "$WORK/$shape-$arch" --arch $arch --shape "$shape" --tokenizer "$tokenizer"
-    for r in qwen2-7b-shape qwen2-7b-shape-llama qwen2-7b-serving qwen2.5-32b-shape llama2-70b-shape; do  # replaced whole: the other stream may be reading it
+    for r in qwen2-7b-shape qwen2-7b-shape-llama qwen2-7b-serving qwen2-7b-serving-llama qwen2.5-32b-shape llama2-70b-shape; do  # replaced whole: the other stream may be reading it
       sed "s#@WORK@#$WORK#g" "benchmarks/gpu/$r.yaml" > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
     done
     flock -u 9
     recipe=$WORK/$shape-shape.yaml targets=${2:-modelopt-fp8}
-    # SERVING=1: the serving table's recipe (issue 26), the GPU to itself; raw step `serve` adds the
-    # engines called with their defaults; the bf16 source's own row comes first
+    [ "$arch" = llama ] && [ "$shape" = qwen2-7b ] && recipe=$WORK/qwen2-7b-shape-llama.yaml targets=gguf-q8_0,gguf-q4_0,gguf-iq4_xs
+    # SERVING=1: the serving table's recipes (issue 26), the GPU to itself; raw step `serve` adds the
+    # engines called with their defaults; the bf16 source's own row comes first (not for T=gguf)
     if [ "${SERVING:-0}" = 1 ]; then
       recipe=$WORK/qwen2-7b-serving.yaml
-      bench serve-source "$recipe" --json "$RESULTS" 2>&1 | tail -c 4000
+      if [ "$arch" = llama ]; then
+        recipe=$WORK/qwen2-7b-serving-llama.yaml
+      else
+        bench serve-source "$recipe" --json "$RESULTS" 2>&1 | tail -c 4000
+      fi
     fi
-    [ "$arch" = llama ] && [ "$shape" = qwen2-7b ] && recipe=$WORK/qwen2-7b-shape-llama.yaml targets=gguf-q8_0,gguf-q4_0,gguf-iq4_xs
     bench run "$recipe" --targets "$targets" --model "$shape-shape ($arch)" \
       --raw-steps "${3:-convert,quantize,checkpoint,validate}" \
       --json "$RESULTS" 2>&1 | tee "$OUT/qwen2-7b-${targets//,/_}.log" | tail -c 20000

@@ -1,8 +1,8 @@
 """The serving benchmark, inside the `guidellm` environment: start the artifact's serve command
-(with its engine environment's python) on a free loopback port, wait until it answers, then one
-GuideLLM run over the concurrency levels (synthetic prompts of a fixed length, a bounded request
-count) after one warm-up request, sampling the server's process-group memory, and shut the server
-down whatever happens."""
+(with its engine environment's python) on a free loopback port, wait until it answers, then after
+one warm-up request one GuideLLM run over the concurrency levels per workload (synthetic prompts of
+a fixed length, a bounded request count), sampling the server's process-group memory, and shut the
+server down whatever happens."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def _stop(server: subprocess.Popen[bytes]) -> None:
 
 
 def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
-    workload = req["workload"]
+    workloads = req["workloads"]
     port = req["port"]  # the one the core built the argument list for
     base = f"http://127.0.0.1:{port}"
     argv = run_argv(req["argv"], req["model_dir"], python=req["python"])
@@ -88,32 +88,8 @@ def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
     try:
         model_id = _wait_ready(server, base, log, req["ready_timeout_s"])
         ready_s = time.perf_counter() - t0
-        _warm_up(base, model_id, workload["output_tokens"])
-        with UsageSampler(server.pid, interval_s=0.2) as usage:
-            try:
-                report = _run_guidellm(base, model_id, req["tokenizer"], workload)
-            finally:
-                if server.poll() is not None:  # the root cause, whatever the load generator said
-                    why = last_error_line(log.read_text(errors="replace"))
-                    raise RuntimeError(f"the server died during the benchmark: {why}")
-        levels = []
-        for level, (start, end) in parse_report(report):
-            rss, gpu = usage.peaks(start, end)
-            others = usage.others_cpu_share(start, end)
-            levels.append(
-                {
-                    **level,
-                    "peak_rss_mib": round(rss / MIB, 1),
-                    "peak_gpu_mib": gpu,
-                    "others_cpu_share": others,
-                }
-            )
-        for level in levels:
-            if not level["completed"]:
-                raise RuntimeError(
-                    f"no request succeeded at concurrency {level['concurrency']} "
-                    f"({level['errored']} errored; server log: {log})"
-                )
+        _warm_up(base, model_id, workloads[0]["output_tokens"])
+        runs = [_measure(server, base, model_id, req["tokenizer"], workload, log) for workload in workloads]
     finally:
         _stop(server)
     version = installed_versions("guidellm").get("guidellm")
@@ -121,8 +97,47 @@ def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
         "tool": f"guidellm {version}",
         "server_ready_s": ready_s,
         "seconds": time.perf_counter() - t0,
-        "levels": levels,
+        "runs": runs,
     }
+
+
+def _measure(
+    server: subprocess.Popen[bytes],
+    base: str,
+    model_id: str,
+    tokenizer: str,
+    workload: dict[str, Any],
+    log: Path,
+) -> dict[str, Any]:
+    """One GuideLLM run of `workload` against the running server: its seconds and each level's
+    numbers with the server's peak memory and the other processes' CPU share meanwhile."""
+    t0 = time.perf_counter()
+    with UsageSampler(server.pid, interval_s=0.2) as usage:
+        try:
+            report = _run_guidellm(base, model_id, tokenizer, workload)
+        finally:
+            if server.poll() is not None:  # the root cause, whatever the load generator said
+                why = last_error_line(log.read_text(errors="replace"))
+                raise RuntimeError(f"the server died during the benchmark: {why}")
+    levels = []
+    for level, (start, end) in parse_report(report):
+        rss, gpu = usage.peaks(start, end)
+        levels.append(
+            {
+                **level,
+                "peak_rss_mib": round(rss / MIB, 1),
+                "peak_gpu_mib": gpu,
+                "others_cpu_share": usage.others_cpu_share(start, end),
+            }
+        )
+    shape = f"{workload['prompt_tokens']}/{workload['output_tokens']} tokens"
+    for level in levels:
+        if not level["completed"]:
+            raise RuntimeError(
+                f"no request succeeded at concurrency {level['concurrency']} with {shape} "
+                f"({level['errored']} errored; server log: {log})"
+            )
+    return {"seconds": time.perf_counter() - t0, "levels": levels}
 
 
 def _run_guidellm(base: str, model_id: str, tokenizer: str, workload: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class Request(BaseModel):
@@ -122,14 +122,15 @@ class ServeCheck(Request):
 
 
 class Benchmark(Request):
-    """The serving benchmark (`pipeline.serving`): the server's argv and GuideLLM's workload."""
+    """The serving benchmark (`pipeline.serving`): the server's argv and GuideLLM's workloads, run
+    in order on the one server."""
 
     argv: list[str]
     python: str
     server_env: dict[str, str] = {}
     model_dir: str
     tokenizer: str
-    workload: dict[str, Any]
+    workloads: list[dict[str, Any]] = Field(min_length=1)
     server_log: str
     ready_timeout_s: float
     port: int
@@ -300,10 +301,17 @@ class Checkpointed(Reply):
     toolchain: dict[str, str | None]
 
 
+class WorkloadMeasured(BaseModel):
+    """One workload's GuideLLM run: its seconds and each level's numbers."""
+
+    seconds: float
+    levels: list[dict[str, Any]]
+
+
 class Benchmarked(Reply):
     tool: str
     seconds: float
-    levels: list[dict[str, Any]]
+    runs: list[WorkloadMeasured]  # one per request workload, in order
 
 
 class ReferenceReply(Reply):

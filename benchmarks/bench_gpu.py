@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipeline.constants import ENV_GUIDELLM, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS  # noqa: E402
-from pipeline.engines.serving import ARTIFACT_DIR, free_port  # noqa: E402
+from pipeline.engines.serving import ARTIFACT_DIR, free_port, local_argv  # noqa: E402
 from pipeline.environments import UsageSampler, environment, run_step  # noqa: E402
 from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.project import Project  # noqa: E402
@@ -438,11 +438,13 @@ def run_targets(
                 continue  # the pipeline reused its cached base: nothing to compare with
             raw.append(raw_row(f"{env_name}:{op}", raw_step(env_name, tool, request, work), steps, target))
             write_results(json_out, rows)
-        if "serve" in raw_ops:  # the serving benchmark against the engine called with its defaults
-            for row in rows[-len(v["engines"]) :]:
-                if row["primary"]:
-                    row["serving"] = serving_rows(project, target, m)
-                    write_results(json_out, rows)
+        for row in rows[-len(v["engines"]) :]:
+            if row["primary"] and "serve" in raw_ops:  # beside the engine called with its defaults
+                row["serving"] = serving_rows(project, target, m)
+                write_results(json_out, rows)
+            if row["primary"] and "settings" in raw_ops:  # one engine setting changed at a time
+                row["settings"] = setting_rows(project, target, m)
+                write_results(json_out, rows)
     print(markdown(rows))
 
 
@@ -513,6 +515,74 @@ def serving_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
         "raw_reason": raw.get("reason"),
         "workloads": workloads,
     }
+
+
+# Engine settings that may close concurrency 1's gap to the bandwidth bound (issue 26: "find it and
+# say what it costs"): each is the project's serve command with that one change, measured at
+# concurrency 1 on the first workload, beside the command as it is in the same run.
+# name -> (server environment, extra arguments).
+SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
+    "vllm": {
+        # vLLM picks Machete for W4A16 on sm90 (2026-12-05 H100 logs); Marlin is its other kernel
+        "marlin (Machete off)": ({"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}, []),
+        "async scheduling": ({}, ["--async-scheduling"]),
+    },
+    "sglang": {
+        "torch.compile": ({}, ["--enable-torch-compile"]),
+    },
+    "llama.cpp": {
+        "flash attention": ({}, ["--flash_attn", "true"]),
+        # the server's default computes logits at every prompt position, not just the last
+        "last logits only": ({}, ["--logits_all", "false"]),
+    },
+}  # fmt: skip
+
+
+def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Concurrency 1 at the first workload through the project's serve command as it is, then with
+    each of its engine's SERVE_SETTINGS: output tokens/s, ITL p50, the share of the bandwidth bound
+    (the manifest's) and the ratio to the command as it is."""
+    engine = manifest["engine"]
+    bound = (((manifest.get("serving") or {}).get(engine) or {}).get("decode_bound") or {}).get(
+        "bound_tokens_per_s"
+    )
+    spec = project.loaded.recipe.serving_benchmark.model_copy(
+        update={"concurrency": [1], "more_workloads": []}
+    )
+    ctx = project.context()
+    target_spec = project.loaded.recipe.targets[target]
+    artifact = project.layout.target_dir(target)
+    tokenizer = artifact if (artifact / "tokenizer.json").is_file() else ctx.source.path
+    serve = ctx.serve(target)
+    rows: dict[str, Any] = {}
+    for name, (env, extra) in {"as recorded": ({}, []), **SERVE_SETTINGS.get(engine, {})}.items():
+        port = free_port()
+        argv = [*local_argv(target_spec.serve_argv, serve, port), *extra]
+        log = project.layout.logs_dir / f"{target}-setting-{re.sub(r'[^a-z0-9]+', '-', name)}.log"
+        request = load_request(
+            engine, argv, serve.tp_size, artifact, tokenizer, spec, log.with_suffix(".server.log"), port
+        )
+        request["server_env"] = {**request["server_env"], **env}
+        try:
+            got = run_step(ENV_GUIDELLM, request, log, timeout_s=load_timeout_s(spec))
+        except PipelineError as exc:  # the row records why; the sweep goes on
+            rows[name] = {"status": "failed", "reason": str(exc), "env": env, "args": extra}
+            continue
+        [level] = got["runs"][0]["levels"]
+        tps = level.get("output_tokens_per_s")
+        rows[name] = {
+            "status": "passed",
+            "env": env,
+            "args": extra,
+            "output_tokens_per_s": tps,
+            "itl_ms_p50": level.get("itl_ms_p50"),
+            "share_of_bound": round(tps / bound, 3) if tps and bound else None,
+        }
+    base = (rows.get("as recorded") or {}).get("output_tokens_per_s")
+    for row in rows.values():
+        tps = row.get("output_tokens_per_s")
+        row["ratio"] = round(tps / base, 3) if tps and base else None
+    return {"workload": spec.workload(), "bound_tokens_per_s": bound, "settings": rows}
 
 
 def serve_source(recipe: Path, json_out: Path) -> None:
@@ -586,7 +656,29 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{ {True: 'same ids', False: 'differs', None: '–'}[r.get('serve_check')] } | "
             f"{num(r.get('build_seconds'), '.1f')} | {raw or '–'} |"
         )
-    return head + "\n".join(lines) + "\n" + serving_markdown(rows, num)
+    return head + "\n".join(lines) + "\n" + serving_markdown(rows, num) + settings_markdown(rows, num)
+
+
+def settings_markdown(rows: list[dict[str, Any]], num: Any) -> str:
+    """Each engine setting tried at concurrency 1 (SERVE_SETTINGS) beside the command as recorded."""
+    lines = []
+    for r in rows:
+        for name, s in ((r.get("settings") or {}).get("settings") or {}).items():
+            change = " ".join([*(f"{k}={v}" for k, v in s["env"].items()), *s["args"]]) or "–"
+            result = (
+                f"{num(s['output_tokens_per_s'], '.1f')} | {num(s['ratio'], '.3f')} | "
+                f"{num(s['itl_ms_p50'], '.2f')} | {num(s['share_of_bound'], '.0%')}"
+                if s["status"] == "passed"
+                else f"{s['status']}: {s['reason']} | | |"
+            )
+            lines.append(f"| {r['target']} | {r.get('engine', '–')} | {name} | `{change}` | {result} |")
+    if not lines:
+        return ""
+    head = (
+        "\n| target | engine | setting (concurrency 1) | change | tok/s | ratio to as recorded | "
+        "ITL p50 ms | share of bound |\n|---|---|---|---|---|---|---|---|\n"
+    )
+    return head + "\n".join(lines) + "\n"
 
 
 def serving_markdown(rows: list[dict[str, Any]], num: Any) -> str:

@@ -210,7 +210,7 @@ def gpu_engine_lock_path() -> Path | None:
     the file (one per GPU on a host whose builds each see their own CUDA_VISIBLE_DEVICES)."""
     if os.environ.get("PIPELINE_GPU_ENGINE_LOCK"):
         return Path(os.environ["PIPELINE_GPU_ENGINE_LOCK"])
-    if shutil.which("nvidia-smi") is None:
+    if local_gpu_arch() is None:
         return None
     cache = Path(os.environ.get("PIPELINE_CACHE", Path.home() / ".cache" / "pipeline"))
     devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "_") or "none"

@@ -122,3 +122,54 @@ def test_each_kit_recipe_loads_once_its_checkpoint_is_made(tmp_path: Path, recip
     (tmp_path / recipe).write_text(text)
     loaded = load_recipe(tmp_path / recipe)
     assert loaded.recipe.targets and loaded.recipe.source.path == str(source)
+
+
+def test_the_serving_and_settings_tables_show_every_workload_and_each_setting_s_outcome() -> None:
+    """The kit's results page: a row per workload and level (project beside raw, their ratio, the
+    share of the bound at 1) and a row per engine setting tried, a failed one with its reason."""
+    import benchmarks.bench_gpu as bench
+
+    def level(tps: float) -> dict[str, float]:
+        return {"output_tokens_per_s": tps, "ttft_ms_p50": 40.0, "itl_ms_p50": 3.5}
+
+    def run(prompt: int, output: int, share: float | None) -> dict[str, object]:
+        return {
+            "workload": {"prompt_tokens": prompt, "output_tokens": output},
+            "decode_bound": {"share_c1": share} if share else None,
+            "levels": {"8": {"project": level(900.0), "raw": level(1000.0), "ratio": 0.9},
+                       "1": {"project": level(250.0), "raw": level(240.0), "ratio": 1.042}},
+        }  # fmt: skip
+
+    settings = {
+        "as recorded": {"status": "passed", "env": {}, "args": [], "output_tokens_per_s": 250.0,
+                        "itl_ms_p50": 3.9, "share_of_bound": 0.234, "ratio": 1.0},
+        "marlin (Machete off)": {"status": "passed", "env": {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"},
+                                 "args": [], "output_tokens_per_s": 400.0, "itl_ms_p50": 2.4,
+                                 "share_of_bound": 0.374, "ratio": 1.6},
+        "async scheduling": {"status": "failed", "reason": "vllm: unrecognized arguments", "env": {},
+                             "args": ["--async-scheduling"]},
+    }  # fmt: skip
+    rows = [
+        {
+            "target": "gptq",
+            "engine": "vllm",
+            "serving": {"status": "passed", "workloads": [run(512, 128, 0.234), run(2048, 256, None)]},
+            "settings": {"settings": settings},
+        },
+        {"target": "awq", "engine": "vllm", "serving": {"status": "failed", "reason": "not ready in 600 s"}},
+    ]
+    text = bench.serving_markdown(rows, lambda v, f: format(v, f) if v is not None else "–")
+    text += bench.settings_markdown(rows, lambda v, f: format(v, f) if v is not None else "–")
+    lines = text.splitlines()
+    assert "| gptq | vllm | 512/128 | 1 | 250.0 | 240.0 | 1.042 | 40 | 3.50 | 23% |" in lines
+    assert "| gptq | vllm | 512/128 | 8 | 900.0 | 1000.0 | 0.900 | 40 | 3.50 | – |" in lines
+    assert "| gptq | vllm | 2048/256 | 1 | 250.0 | 240.0 | 1.042 | 40 | 3.50 | – |" in lines
+    assert "| awq | vllm | failed: not ready in 600 s |" in lines
+    assert (
+        "| gptq | vllm | marlin (Machete off) | `VLLM_DISABLED_KERNELS=MacheteLinearKernel` | 400.0 | "
+        "1.600 | 2.40 | 37% |" in lines
+    )
+    assert any(
+        line.startswith("| gptq | vllm | async scheduling | `--async-scheduling` | failed: vllm:")
+        for line in lines
+    )

@@ -10,7 +10,8 @@
 #                                           benchmarks/gpu/qwen2-7b-shape.yaml (T=gguf: the Llama-declared one;
 #                                           SHAPE=qwen2.5-32b: the 32B shape, qwen2.5-32b-shape.yaml;
 #                                           SERVING=1: the serving table, qwen2-7b-serving(-llama).yaml,
-#                                           raw step `serve` for the engines with their defaults)
+#                                           raw step `serve` for the engines with their defaults,
+#                                           `settings` for one engine setting changed at a time)
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment;
 #                                           TESTS_K: only the tests a -k expression selects; TESTS:
 #                                           the node ids to run, in that order, default tests/)

@@ -472,7 +472,11 @@ def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> di
     except PipelineError as exc:  # the row records why; the run goes on
         return {"status": "failed", "reason": str(exc), "command": " ".join(argv)}
     runs = [
-        {"workload": load, "levels": {str(lv["concurrency"]): lv for lv in run["levels"]}}
+        {
+            "workload": load,
+            "levels": {str(lv["concurrency"]): lv for lv in run.get("levels", [])},
+            "reason": run.get("error"),
+        }
         for load, run in zip(spec.workloads(), got["runs"], strict=True)
     ]
     return {"status": "passed", "command": " ".join(argv), "workloads": runs}
@@ -502,8 +506,14 @@ def serving_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
                 "raw": {k: other.get(k) for k in LEVEL_KEYS},
                 "ratio": round(tps / raw_tps, 3) if tps and raw_tps else None,
             }
+        reason = run.get("reason") or raw_run.get("reason")  # a further workload that failed, either side
         workloads.append(
-            {"workload": run["workload"], "decode_bound": run.get("decode_bound"), "levels": levels}
+            {
+                "workload": run["workload"],
+                "decode_bound": run.get("decode_bound"),
+                "levels": levels,
+                "reason": reason,
+            }
         )
     return {
         "status": "passed",
@@ -545,9 +555,10 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
     each of its engine's SERVE_SETTINGS: output tokens/s, ITL p50, the share of the bandwidth bound
     (the manifest's) and the ratio to the command as it is."""
     engine = manifest["engine"]
-    bound = (((manifest.get("serving") or {}).get(engine) or {}).get("decode_bound") or {}).get(
-        "bound_tokens_per_s"
-    )
+    ours = (manifest.get("serving") or {}).get(engine) or {}
+    if ours.get("status") != "passed":
+        return {"status": ours.get("status", "not run"), "reason": ours.get("reason")}
+    bound = (ours.get("decode_bound") or {}).get("bound_tokens_per_s")
     spec = project.loaded.recipe.serving_benchmark.model_copy(
         update={"concurrency": [1], "more_workloads": []}
     )
@@ -560,7 +571,12 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
     for name, (env, extra) in {"as recorded": ({}, []), **SERVE_SETTINGS.get(engine, {})}.items():
         port = free_port()
         argv = [*local_argv(target_spec.serve_argv, serve, port), *extra]
-        log = project.layout.logs_dir / f"{target}-setting-{re.sub(r'[^a-z0-9]+', '-', name)}.log"
+        log = project.layout.logs_dir / f"{target}-setting-{re.sub(r'[^a-z0-9]+', '-', name.lower())}.log"
+        overridden = sorted(k for k, v in env.items() if os.environ.get(k, v) != v)
+        if overridden:  # the load generator lets the host's environment win over a server's
+            rows[name] = {"status": "skipped", "reason": f"this host's environment sets {overridden}",
+                          "env": env, "args": extra}  # fmt: skip
+            continue
         request = load_request(
             engine, argv, serve.tp_size, artifact, tokenizer, spec, log.with_suffix(".server.log"), port
         )
@@ -584,7 +600,7 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
     for row in rows.values():
         tps = row.get("output_tokens_per_s")
         row["ratio"] = round(tps / base, 3) if tps and base else None
-    return {"workload": spec.workload(), "bound_tokens_per_s": bound, "settings": rows}
+    return {"status": "passed", "workload": spec.workload(), "bound_tokens_per_s": bound, "settings": rows}
 
 
 def serve_source(recipe: Path, json_out: Path) -> None:
@@ -665,7 +681,12 @@ def settings_markdown(rows: list[dict[str, Any]], num: Any) -> str:
     """Each engine setting tried at concurrency 1 (SERVE_SETTINGS) beside the command as recorded."""
     lines = []
     for r in rows:
-        for name, s in ((r.get("settings") or {}).get("settings") or {}).items():
+        tried = r.get("settings") or {}
+        if tried and tried.get("status") != "passed":
+            lines.append(
+                f"| {r['target']} | {r.get('engine', '–')} | {tried.get('status')}: {tried.get('reason')} |"
+            )
+        for name, s in (tried.get("settings") or {}).items():
             change = " ".join([*(f"{k}={v}" for k, v in s["env"].items()), *s["args"]]) or "–"
             result = (
                 f"{num(s['output_tokens_per_s'], '.1f')} | {num(s['ratio'], '.3f')} | "
@@ -698,6 +719,8 @@ def serving_markdown(rows: list[dict[str, Any]], num: Any) -> str:
             continue
         for run in serving["workloads"]:
             shape = f"{run['workload']['prompt_tokens']}/{run['workload']['output_tokens']}"
+            if run.get("reason"):
+                lines.append(f"| {r['target']} | {r.get('engine', '–')} | {shape} | {run['reason']} |")
             bound = run.get("decode_bound") or {}
             for c, level in sorted(run["levels"].items(), key=lambda kv: int(kv[0])):
                 ours, raw = (level.get("project"), level.get("raw")) if "raw" in level else (None, level)

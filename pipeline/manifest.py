@@ -162,9 +162,12 @@ class DecodeBound(_Model):
 
 class WorkloadRun(_Model):
     """The serving benchmark's numbers at one more workload (the recipe's more_workloads), measured
-    on the same server after the first."""
+    on the same server after the first; `failed` with the reason where its run (or an earlier
+    further workload's) failed, the first workload's numbers kept."""
 
     workload: dict[str, Any]
+    status: Status = "passed"
+    reason: str | None = None
     seconds: float | None = None
     levels: dict[str, ServingLevel] = {}  # str(concurrency) -> numbers
     decode_bound: DecodeBound | None = None

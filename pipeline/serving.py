@@ -89,6 +89,9 @@ def benchmark(
     bound = _decode_bound(ctx, artifact, weights_read)
     runs = []
     for load, run in zip(spec.workloads(), got["runs"], strict=True):
+        if run.get("error"):
+            runs.append(WorkloadRun(workload=load, status="failed", reason=run["error"]))
+            continue
         levels = {str(lv["concurrency"]): ServingLevel(**lv) for lv in run["levels"]}
         seconds = round(run["seconds"], 2)
         runs.append(

@@ -173,3 +173,89 @@ def test_the_serving_and_settings_tables_show_every_workload_and_each_setting_s_
         line.startswith("| gptq | vllm | async scheduling | `--async-scheduling` | failed: vllm:")
         for line in lines
     )
+
+
+def _kit_project(tmp_path: Path) -> tuple[object, Path]:
+    """A recipe of one GGUF target benchmarked at two workloads, and its artifact directory (with
+    a tokenizer, so no source is resolved)."""
+    from pipeline.project import Project
+    from tests.conftest import empty_checkpoint, write_recipe
+
+    empty_checkpoint(tmp_path / "model")
+    bench = {
+        "enabled": True,
+        "concurrency": [1, 4],
+        "more_workloads": [{"prompt_tokens": 128, "output_tokens": 16}],
+    }
+    project = Project.open(write_recipe(tmp_path / "r.yaml", serving_benchmark=bench))
+    artifact = project.layout.target_dir("gguf-f16")
+    artifact.mkdir(parents=True)
+    (artifact / "tokenizer.json").write_text("{}")
+    return project, artifact
+
+
+def _level(concurrency: int, tps: float) -> dict[str, float]:
+    return {"concurrency": concurrency, "output_tokens_per_s": tps, "ttft_ms_p50": 20.0, "itl_ms_p50": 4.0}
+
+
+def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_override_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`settings` serves at concurrency 1 on the first workload only: the command as recorded, then
+    each setting's arguments or environment added; a setting whose variable this host already sets
+    otherwise is skipped (the load generator lets the host's environment win), not measured."""
+    import benchmarks.bench_gpu as bench
+
+    project, _ = _kit_project(tmp_path)
+    sent: list[dict[str, object]] = []
+
+    def load(env_name: str, request: dict, log: Path, timeout_s: float) -> dict:
+        sent.append(request)
+        tps = 150.0 if "--flash_attn" in request["argv"] else 100.0
+        return {"runs": [{"seconds": 1.0, "levels": [_level(1, tps)]}]}
+
+    monkeypatch.setattr(bench, "run_step", load)
+    monkeypatch.setitem(
+        bench.SERVE_SETTINGS,
+        "llama.cpp",
+        {"flash attention": ({}, ["--flash_attn", "true"]), "a variable": ({"KIT_TEST_VAR": "1"}, [])},
+    )
+    monkeypatch.setenv("KIT_TEST_VAR", "0")
+    serving = {"status": "passed", "decode_bound": {"bound_tokens_per_s": 400.0}}
+    got = bench.setting_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {"llama.cpp": serving}})
+    assert [r["workloads"] for r in sent] == [[{**got["workload"]}]] * 2  # one shape, concurrency 1
+    assert got["workload"]["concurrency"] == [1] and got["workload"]["prompt_tokens"] == 64
+    recorded, flash = (
+        [a for a, before in zip(r["argv"], [None, *r["argv"]][:-1], strict=True) if before != "--port"]
+        for r in sent
+    )
+    assert flash == [*recorded, "--flash_attn", "true"] and "--n_ctx" in recorded  # each on its own port
+    rows = got["settings"]
+    assert rows["as recorded"]["ratio"] == 1.0 and rows["as recorded"]["share_of_bound"] == 0.25
+    assert rows["flash attention"]["ratio"] == 1.5 and rows["flash attention"]["share_of_bound"] == 0.375
+    assert rows["a variable"]["status"] == "skipped" and "KIT_TEST_VAR" in rows["a variable"]["reason"]
+    failed = bench.setting_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {}})
+    assert failed["status"] == "not run" and len(sent) == 2  # no server started for it
+
+
+def test_the_raw_side_is_compared_per_workload_and_a_failed_further_workload_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import benchmarks.bench_gpu as bench
+
+    project, _ = _kit_project(tmp_path)
+    raw = {"runs": [{"seconds": 9.0, "levels": [_level(1, 200.0), _level(4, 500.0)]},
+                    {"error": "the server died during the benchmark: out of memory"}]}  # fmt: skip
+    monkeypatch.setattr(bench, "run_step", lambda *a, **k: raw)
+    levels = {"1": _level(1, 190.0), "4": _level(4, 520.0)}
+    ours = {
+        "status": "passed",
+        "workload": {"prompt_tokens": 64, "output_tokens": 32},
+        "levels": levels,
+        "more_workloads": [{"workload": {"prompt_tokens": 128, "output_tokens": 16}, "levels": levels}],
+    }
+    got = bench.serving_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {"llama.cpp": ours}})
+    first, second = got["workloads"]
+    assert first["levels"]["1"]["ratio"] == 0.95 and first["levels"]["4"]["ratio"] == 1.04
+    assert first["reason"] is None
+    assert second["levels"]["1"]["ratio"] is None and "out of memory" in second["reason"]

@@ -435,3 +435,48 @@ def test_gpu_peaks_are_summed_and_kept_per_gpu_where_a_host_has_several(tmp_path
     assert sampler.peaks() == (10, 500.0) and sampler.peak_gpu_mib_each() is None
     sampler.samples = [(1.0, 10, None, 0.0)]
     assert sampler.peaks() == (10, None) and sampler.peak_gpu_mib_each() is None
+
+
+@pytest.mark.parametrize("failing", [64, 128])
+def test_a_further_workload_that_fails_keeps_the_earlier_numbers_and_the_server_is_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int
+) -> None:
+    """The load generator measures each workload on one server: a later shape whose run fails is
+    recorded with its reason (those after it as not run) and the first's numbers are kept; the first
+    one failing fails the whole step. Either way the server's process group is ended."""
+    from pipeline.workers import loadgen
+
+    measured: list[int] = []
+    stopped: list[subprocess.Popen[bytes]] = []
+    stop = loadgen._stop
+
+    def measure(server: object, base: str, model_id: str, tokenizer: str, workload: dict, log: Path) -> dict:
+        measured.append(workload["prompt_tokens"])
+        if workload["prompt_tokens"] == failing:
+            raise RuntimeError("the server died during the benchmark: killed")
+        return {"seconds": 1.0, "levels": [{"concurrency": 1}]}
+
+    monkeypatch.setattr(loadgen, "_wait_ready", lambda *a: "model")
+    monkeypatch.setattr(loadgen, "_warm_up", lambda *a: None)
+    monkeypatch.setattr(loadgen, "_measure", measure)
+    monkeypatch.setattr(loadgen, "_stop", lambda server: (stopped.append(server), stop(server)))
+    request = {
+        "workloads": [{"prompt_tokens": n, "output_tokens": 8} for n in (64, 128, 256)],
+        "argv": ["python", "-c", "import time; time.sleep(120)"],
+        "python": sys.executable,
+        "model_dir": str(tmp_path),
+        "tokenizer": str(tmp_path),
+        "server_log": str(tmp_path / "server.log"),
+        "ready_timeout_s": 5,
+        "port": 1,
+    }
+    if failing == 64:
+        with pytest.raises(RuntimeError, match="killed"):
+            loadgen.op_benchmark(request)
+        assert measured == [64]
+    else:
+        first, second, third = loadgen.op_benchmark(request)["runs"]
+        assert measured == [64, 128] and first == {"seconds": 1.0, "levels": [{"concurrency": 1}]}
+        assert "killed" in second["error"] and third["error"] == "not run: a workload before it failed"
+    [server] = stopped
+    assert server.poll() is not None  # ended, not left running

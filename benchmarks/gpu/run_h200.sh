@@ -217,7 +217,7 @@ case "${1:-}" in
     # engines called with their defaults; the bf16 source's own row comes first (not for T=gguf)
     if [ "${SERVING:-0}" = 1 ]; then
       recipe=$WORK/qwen2-7b-serving.yaml
-      if [ "$arch" = llama ]; then
+      if [ "$arch" = llama ] && [ "$shape" = qwen2-7b ]; then
         recipe=$WORK/qwen2-7b-serving-llama.yaml
       else
         bench serve-source "$recipe" --json "$RESULTS" 2>&1 | tail -c 4000

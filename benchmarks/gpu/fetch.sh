@@ -6,6 +6,7 @@
 # gguf-py and the converter from it, and the compiled wheel and tools once set-up has built them.
 #
 #   benchmarks/gpu/fetch.sh DIR [ENV ...]     ENV: core vllm llmcompressor gptqmodel modelopt sglang
+#                                             guidellm
 #                                             (default: all)
 #
 # Lists: benchmarks/gpu/wheels/<env>.txt (the sets that ran on the H200; vllm and sglang are the
@@ -14,9 +15,11 @@
 # py3-none-any wheels here (GPTQModel without CUDA extensions: its kernels are JIT-compiled on
 # first use, and the pipeline's worker uses its torch kernels). pypcre's sdist holds a C extension
 # for CPython 3.12: it travels as the sdist and `carry.sh install` builds it there.
+# guidellm: GuideLLM for the serving benchmark (issue 26), without what the image already holds
+# (torch, transformers, httpx, pandas, pyarrow, numpy, uvloop...).
 set -euo pipefail
 out=$1; shift
-envs=("$@"); [ ${#envs[@]} -gt 0 ] || envs=(core vllm llmcompressor gptqmodel modelopt sglang)
+envs=("$@"); [ ${#envs[@]} -gt 0 ] || envs=(core vllm llmcompressor gptqmodel modelopt sglang guidellm)
 GPTQMODEL_SDISTS=(gptqmodel==7.6.0 device-smi==0.5.7 tokenicer==0.0.14 logbar==0.4.15 defuser==0.0.28)
 PCRE_SDIST=pypcre==0.6.4
 here=$(cd "$(dirname "$0")" && pwd)

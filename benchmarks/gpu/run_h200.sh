@@ -167,7 +167,7 @@ mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=/tmp/pipeline-site/core:$PWD PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 export PIPELINE_ARTIFACTS=$WORK/artifacts PIPELINE_CACHE=$WORK/cache PIPELINE_LLAMA_CPP_DIR=/tmp/pipeline-site/llama.cpp
-for env in vllm llmcompressor gptqmodel modelopt sglang; do
+for env in vllm llmcompressor gptqmodel modelopt sglang guidellm; do
   [ -x "/tmp/pipeline-envs/$env/python" ] && export "PIPELINE_${env^^}_PYTHON=/tmp/pipeline-envs/$env/python"
 done
 [ "${SGLANG:-1}" = 0 ] && unset PIPELINE_SGLANG_PYTHON

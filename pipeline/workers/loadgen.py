@@ -173,7 +173,7 @@ def guidellm_argv(
     per level. llama.cpp's server has no /health: readiness is asked of /v1/models."""
     levels = workload["concurrency"]
     return [
-        str(Path(sys.executable).parent / "guidellm"), "run",
+        sys.executable, "-m", "guidellm", "run",  # no console script where the set is carried (--target)
         "--backend", f"kind=openai_http,target={base},model={model_id},request_format=/v1/completions,"
                      "stream=true,timeout=120,api_routes./health=v1/models",
         "--profile", f"kind=concurrent,streams={levels[0]}",

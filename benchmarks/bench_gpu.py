@@ -482,7 +482,10 @@ def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> di
     return {"status": "passed", "command": " ".join(argv), "workloads": runs}
 
 
-LEVEL_KEYS = ("output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "peak_gpu_mib")
+LEVEL_KEYS = (
+    "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "peak_gpu_mib",
+    "output_tokens_mean",
+)  # fmt: skip
 
 
 def serving_rows(project: Project, target: str, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -706,9 +709,10 @@ def settings_markdown(rows: list[dict[str, Any]], num: Any) -> str:
 
 def serving_markdown(rows: list[dict[str, Any]], num: Any) -> str:
     """Each serving row per workload and concurrency level: through the project's serve command
-    beside the engine called with its defaults (tokens/s, ratio), latencies, share of the bandwidth
-    bound at 1. A serve-source row has the raw side only."""
-    lines = []
+    beside the engine called with its defaults (tokens/s, ratio), TTFT and ITL p50/p99, peak GPU
+    memory (device-wide), share of the bandwidth bound at 1; then each artifact's memory setting
+    and the KV cache its server allocated. A serve-source row has the raw side only."""
+    lines, memory = [], []
     for r in rows:
         serving = r.get("serving")
         if not serving:
@@ -717,6 +721,15 @@ def serving_markdown(rows: list[dict[str, Any]], num: Any) -> str:
             why = f"{serving.get('status')}: {serving.get('reason')}"
             lines.append(f"| {r['target']} | {r.get('engine', '–')} | {why} |")
             continue
+        kv = serving.get("kv_cache") or {}
+        if serving.get("memory_setting") or kv:
+            setting = ", ".join(f"{k} {v}" for k, v in (serving.get("memory_setting") or {}).items()) or "–"
+            cache = (
+                f"{kv['tokens']:,} tokens" + (f", {kv['mib']:,.0f} MiB" if kv.get("mib") else "")
+                if kv
+                else "–"
+            )
+            memory.append(f"| {r['target']} | {r.get('engine', '–')} | {setting} | {cache} |")
         for run in serving["workloads"]:
             shape = f"{run['workload']['prompt_tokens']}/{run['workload']['output_tokens']}"
             if run.get("reason"):
@@ -724,21 +737,31 @@ def serving_markdown(rows: list[dict[str, Any]], num: Any) -> str:
             bound = run.get("decode_bound") or {}
             for c, level in sorted(run["levels"].items(), key=lambda kv: int(kv[0])):
                 ours, raw = (level.get("project"), level.get("raw")) if "raw" in level else (None, level)
+                shown = ours or raw
                 share = num(bound.get("share_c1"), ".0%") if c == "1" and bound else "–"
                 tps, raw_tps = (ours or {}).get("output_tokens_per_s"), raw.get("output_tokens_per_s")
                 lines.append(
                     f"| {r['target']} | {r.get('engine', '–')} | {shape} | {c} | {num(tps, '.1f')} | "
-                    f"{num(raw_tps, '.1f')} | "
-                    f"{num(level.get('ratio'), '.3f')} | {num((ours or raw).get('ttft_ms_p50'), '.0f')} | "
-                    f"{num((ours or raw).get('itl_ms_p50'), '.2f')} | {share} |"
+                    f"{num(raw_tps, '.1f')} | {num(level.get('ratio'), '.3f')} | "
+                    f"{num(shown.get('ttft_ms_p50'), '.0f')} / {num(shown.get('ttft_ms_p99'), '.0f')} | "
+                    f"{num(shown.get('itl_ms_p50'), '.2f')} / {num(shown.get('itl_ms_p99'), '.2f')} | "
+                    f"{num(shown.get('peak_gpu_mib'), ',.0f')} | {share} |"
                 )
     if not lines:
         return ""
     head = (
         "\n| target | engine | prompt/output tokens | concurrency | project tok/s | raw tok/s | ratio | "
-        "TTFT p50 ms | ITL p50 ms | share of bound |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "TTFT p50 / p99 ms | ITL p50 / p99 ms | peak GPU MiB | share of bound |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
-    return head + "\n".join(lines) + "\n"
+    table = head + "\n".join(lines) + "\n"
+    if memory:
+        table += (
+            "\n| target | engine | memory setting | KV cache at start |\n|---|---|---|---|\n"
+            + "\n".join(memory)
+            + "\n"
+        )
+    return table
 
 
 KERNEL_LINE = re.compile(

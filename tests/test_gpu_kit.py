@@ -130,7 +130,8 @@ def test_the_serving_and_settings_tables_show_every_workload_and_each_setting_s_
     import benchmarks.bench_gpu as bench
 
     def level(tps: float) -> dict[str, float]:
-        return {"output_tokens_per_s": tps, "ttft_ms_p50": 40.0, "itl_ms_p50": 3.5}
+        return {"output_tokens_per_s": tps, "ttft_ms_p50": 40.0, "ttft_ms_p99": 95.0, "itl_ms_p50": 3.5,
+                "itl_ms_p99": 7.25, "peak_gpu_mib": 128_000.0}  # fmt: skip
 
     def run(prompt: int, output: int, share: float | None) -> dict[str, object]:
         return {
@@ -153,7 +154,12 @@ def test_the_serving_and_settings_tables_show_every_workload_and_each_setting_s_
         {
             "target": "gptq",
             "engine": "vllm",
-            "serving": {"status": "passed", "workloads": [run(512, 128, 0.234), run(2048, 256, None)]},
+            "serving": {
+                "status": "passed",
+                "workloads": [run(512, 128, 0.234), run(2048, 256, None)],
+                "memory_setting": {"gpu_memory_utilization": 0.9},
+                "kv_cache": {"tokens": 1_234_560, "mib": 67_500.0},
+            },
             "settings": {"settings": settings},
         },
         {"target": "awq", "engine": "vllm", "serving": {"status": "failed", "reason": "not ready in 600 s"}},
@@ -161,9 +167,11 @@ def test_the_serving_and_settings_tables_show_every_workload_and_each_setting_s_
     text = bench.serving_markdown(rows, lambda v, f: format(v, f) if v is not None else "–")
     text += bench.settings_markdown(rows, lambda v, f: format(v, f) if v is not None else "–")
     lines = text.splitlines()
-    assert "| gptq | vllm | 512/128 | 1 | 250.0 | 240.0 | 1.042 | 40 | 3.50 | 23% |" in lines
-    assert "| gptq | vllm | 512/128 | 8 | 900.0 | 1000.0 | 0.900 | 40 | 3.50 | – |" in lines
-    assert "| gptq | vllm | 2048/256 | 1 | 250.0 | 240.0 | 1.042 | 40 | 3.50 | – |" in lines
+    latency = "40 / 95 | 3.50 / 7.25 | 128,000"
+    assert f"| gptq | vllm | 512/128 | 1 | 250.0 | 240.0 | 1.042 | {latency} | 23% |" in lines
+    assert f"| gptq | vllm | 512/128 | 8 | 900.0 | 1000.0 | 0.900 | {latency} | – |" in lines
+    assert f"| gptq | vllm | 2048/256 | 1 | 250.0 | 240.0 | 1.042 | {latency} | – |" in lines
+    assert "| gptq | vllm | gpu_memory_utilization 0.9 | 1,234,560 tokens, 67,500 MiB |" in lines
     assert "| awq | vllm | failed: not ready in 600 s |" in lines
     assert (
         "| gptq | vllm | marlin (Machete off) | `VLLM_DISABLED_KERNELS=MacheteLinearKernel` | 400.0 | "

@@ -450,10 +450,12 @@ def run_targets(
 
 # The engines called directly with their defaults, on the same checkpoint and workload as the
 # serving benchmark (issue 26: the project's serve command must reach 0.95x of it). llama.cpp's one
-# non-default: every layer on the GPU (its default, 0, serves from the CPU).
+# non-default: every layer on the GPU (its default, 0, serves from the CPU); SGLang's: Triton
+# attention (its Hopper default, FlashAttention 3, is not in the carried sglang-kernel).
 RAW_SERVERS = {
     "vllm": ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", ARTIFACT_DIR],
-    "sglang": ["python", "-m", "sglang.launch_server", "--model-path", ARTIFACT_DIR],
+    "sglang": ["python", "-m", "sglang.launch_server", "--model-path", ARTIFACT_DIR,
+               "--attention-backend", "triton"],
     "llama.cpp": ["python", "-m", "llama_cpp.server", "--model", f"{ARTIFACT_DIR}/{GGUF_FILE}",
                   "--n_gpu_layers", "-1"],
 }  # fmt: skip

@@ -125,15 +125,25 @@ def _measured_elsewhere(c: Candidate, s: Scenario) -> str | None:
     return None
 
 
-def _memory(c: Candidate, env: str | None) -> tuple[float, str]:
-    """Memory the artifact needs to serve, and where the number comes from."""
+def _memory(c: Candidate, env: str | None, s: Scenario) -> tuple[float, str]:
+    """Memory the artifact needs to serve, and where the number comes from. On a GPU the measured
+    peak is the engine's reservation (a share of the whole GPU), not the model's need: there the
+    weights and the 16-bit KV cache of the scenario's concurrent requests at the benchmark's
+    context are what it needs at least."""
     levels = (c.serving or {}).get("levels") or {}
     peaks = [lv["peak_rss_mib"] for lv in levels.values() if lv.get("peak_rss_mib")]
     if peaks and c.device.startswith("cpu"):
         return max(peaks), "serving benchmark peak RSS"
-    validate = [s.peak_rss_mib for s in c.steps if s.op == "validate" and s.env == env]
+    validate = [st.peak_rss_mib for st in c.steps if st.op == "validate" and st.env == env]
     if validate and c.device.startswith("cpu"):
         return max(validate), "peak RSS of its validation in this engine"
+    bound = (c.serving or {}).get("decode_bound") or {}
+    if bound.get("kv_bytes") and not _serving_device(c).startswith("cpu"):
+        need = c.size_bytes + bound["kv_bytes"] * s.concurrency
+        return need / MIB, (
+            f"weights + 16-bit KV cache of {s.concurrency} x {bound['context_tokens']} tokens "
+            "(a lower bound: the engine's own buffers not counted)"
+        )
     return c.size_bytes / MIB, "weights' size (a lower bound: no serving memory measured)"
 
 
@@ -150,7 +160,7 @@ def select(registry: Registry, scenario: Scenario) -> dict[str, Any]:
     ranked, excluded = [], []
     for c in found:
         env = ENGINES[c.engine].env if c.engine in ENGINES else None
-        c.memory_mib, c.memory_from = _memory(c, env)
+        c.memory_mib, c.memory_from = _memory(c, env, scenario)
         c.excluded = c.excluded or _exclusion(c, scenario)
         if c.excluded:
             excluded.append(c)
@@ -217,9 +227,16 @@ def _reasons(c: Candidate, s: Scenario) -> list[str]:
         reasons.append(f"{c.memory_mib / 1024:.2f} GiB to serve ({c.memory_from})")
     level = _level(c, s)
     if level is not None:
+        workload = (c.serving or {}).get("workload") or {}
+        shape = (
+            f" of {workload['prompt_tokens']}/{workload['output_tokens']} tokens"
+            if "prompt_tokens" in workload
+            else ""
+        )
         reasons.append(
-            f"at concurrency {s.concurrency} on {_serving_device(c)}: {level['output_tokens_per_s']:.1f} "
-            f"output tokens/s, TTFT p99 {level['ttft_ms_p99']:.0f} ms, ITL p99 {level['itl_ms_p99']:.1f} ms"
+            f"at concurrency {s.concurrency}{shape} on {_serving_device(c)}: "
+            f"{level['output_tokens_per_s']:.1f} output tokens/s, TTFT p99 {level['ttft_ms_p99']:.0f} ms, "
+            f"ITL p99 {level['itl_ms_p99']:.1f} ms"
         )
         bound = (c.serving or {}).get("decode_bound") or {}
         if s.concurrency == 1 and bound.get("share_c1") is not None:

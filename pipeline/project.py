@@ -59,7 +59,10 @@ METRIC_COLUMNS = (
     "tokens_per_s",
 )  # fmt: skip
 # ... and for each serving benchmark level (`serving_c<concurrency>_<metric>`)
-SERVING_METRICS = ("ttft_ms_p99", "itl_ms_p99", "output_tokens_per_s", "peak_rss_mib", "others_cpu_share")
+SERVING_METRICS = (
+    "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s", "peak_rss_mib",
+    "peak_gpu_mib", "others_cpu_share",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from pipeline.constants import CONTENDED_SHARE
 from pipeline.errors import PipelineError
 
 SERVING_KEY = re.compile(
-    r"^serving_c(\d+)_(ttft_ms_p99|itl_ms_p99|output_tokens_per_s|peak_rss_mib|others_cpu_share)$"
+    r"^serving_c(\d+)_(ttft_ms_p50|ttft_ms_p99|itl_ms_p50|itl_ms_p99|output_tokens_per_s|peak_rss_mib|"
+    r"peak_gpu_mib|others_cpu_share)$"
 )
 # Chart ids in the page; a test counts each chart's marks by them.
 SIZE_CHART, SERVING_CHART = "size-vs-ppl", "throughput-vs-ttft"
@@ -30,10 +31,13 @@ class ServingPoint:
     """One concurrency level of one artifact's serving benchmark."""
 
     concurrency: int
+    ttft_ms_p50: float | None = None
     ttft_ms_p99: float | None = None
+    itl_ms_p50: float | None = None
     itl_ms_p99: float | None = None
     output_tokens_per_s: float | None = None
     peak_rss_mib: float | None = None
+    peak_gpu_mib: float | None = None  # device-wide: an engine's reservation shows here
     others_cpu_share: float | None = None  # other processes' share of the host's CPUs meanwhile
 
 
@@ -215,6 +219,31 @@ def _table(rows: list[ReportRow]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
+LEVEL_COLUMNS = (
+    "target", "engine", "served on", "concurrency", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
+    "output tok/s", "peak GPU MiB", "peak RSS MiB",
+)  # fmt: skip
+
+
+def _levels_table(rows: list[ReportRow]) -> str:
+    """Every serving level of every target: latency percentiles, throughput and peak memory."""
+    body = []
+    for r in rows:
+        for p in r.serving:
+            cells = (
+                _cell(r.target), _cell(r.engine), _cell(r.measured_on), _cell(p.concurrency),
+                f"{_cell(p.ttft_ms_p50, '.0f')} / {_cell(p.ttft_ms_p99, '.0f')}",
+                f"{_cell(p.itl_ms_p50, '.1f')} / {_cell(p.itl_ms_p99, '.1f')}",
+                _cell(p.output_tokens_per_s, ".1f") + _contended(p.others_cpu_share),
+                _cell(p.peak_gpu_mib, ",.0f"), _cell(p.peak_rss_mib, ",.0f"),
+            )  # fmt: skip
+            body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    if not body:
+        return ""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in LEVEL_COLUMNS)
+    return f'<table class="levels"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
 def _page(recipe: str, rows: list[ReportRow], specs: dict[str, dict[str, Any]], bundle: str) -> str:
     """The HTML: the table, one div per chart, the inlined JS bundle, and a vegaEmbed call per chart
     (SVG renderer) that marks the body `data-rendered` with the charts drawn, or `data-error`."""
@@ -255,8 +284,11 @@ tr.status-failed td {{ background: #fde8e8; }}
 KLD top-k ≥ is the lower bound from an engine's top-64 logprobs; serving numbers from the recipe's
 serving benchmark (GuideLLM under each artifact's serve command), each on the host that measured it
 (a target built on both the CPU host and the GPU host is a row each); the bandwidth bound is
-concurrency 1's output tokens/s over what the GPU's memory bandwidth allows (pipeline.decode_bound).</p>
+concurrency 1's output tokens/s over what the GPU's memory bandwidth allows (pipeline.decode_bound).
+Below it, every serving level (the recipe's first workload; peak GPU memory is device-wide, so an
+engine's reservation shows there).</p>
 {_table(rows)}
+{_levels_table(rows)}
 {divs}
 <script>{script}</script>
 </body></html>

@@ -153,3 +153,30 @@ def test_a_target_built_on_both_hosts_is_a_row_each_saying_where_it_was_served(
     assert [(r.host, r.measured_on) for r in q4] == [("cpu", "cpu host"), ("gpu", "NVIDIA H100 80GB HBM3")]
     table = _table(rows)
     assert table.count("<tr class=") == 4 and "NVIDIA H100 80GB HBM3" in table and "<td>42%</td>" in table
+
+
+def test_every_serving_level_is_a_row_with_its_percentiles_and_peak_memory() -> None:
+    """The page's second table: each level of each target with TTFT and ITL p50/p99, throughput and
+    both peaks (GPU memory from the GPU host, RSS from the CPU host)."""
+    from pipeline.report import _levels_table
+
+    record = {
+        "target": "awq",
+        **_metrics("awq", "vllm", "awq", "passed", 4.0, 2.0, {1: (31.0, 210.0), 8: (60.0, 1650.0)}),
+    }
+    record |= {"serving_device": "NVIDIA H200", "serving_c1_ttft_ms_p50": 18.0, "serving_c1_itl_ms_p50": 3.75,
+               "serving_c1_peak_gpu_mib": 126_500.0}  # fmt: skip
+    table = _levels_table([ReportRow.from_metrics(record)])
+    rows = table.split("<tr>")[2:]  # after the header row
+    assert len(rows) == 2
+    assert (
+        "<td>NVIDIA H200</td><td>1</td><td>18 / 31</td><td>3.8 / 20.0</td><td>210.0</td>"
+        "<td>126,500</td><td>400</td>" in rows[0]
+    )
+    assert "<td>– / 60</td>" in rows[1] and "<td>1650.0</td><td>–</td>" in rows[1]
+    assert (
+        _levels_table(
+            [ReportRow.from_metrics({"target": "t", **_metrics("t", "vllm", "awq", "failed", 1.0, 9.0)})]
+        )
+        == ""
+    )

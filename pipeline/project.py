@@ -58,7 +58,8 @@ METRIC_COLUMNS = (
     "ppl", "ppl_ref", "ppl_delta_pct", "kld_mean", "kld_topk_mean", "token_agreement", "top1_agreement",
     "tokens_per_s",
 )  # fmt: skip
-# ... and for each serving benchmark level (`serving_c<concurrency>_<metric>`)
+# ... and for each serving benchmark level (`serving_c<concurrency>_<metric>`; a further workload's
+# `serving_<prompt>x<output>_c<concurrency>_<metric>`)
 SERVING_METRICS = (
     "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s", "peak_rss_mib",
     "peak_gpu_mib", "others_cpu_share",
@@ -382,10 +383,22 @@ class Project:
             record["serving_device"] = result.device  # where it was measured: a GPU's name or cpu
             bound = result.decode_bound
             record["serving_bound_share_c1"] = bound.share_c1 if bound else None
+            if result.workload:
+                record["serving_workload"] = _shape(result.workload)
             for level in result.levels.values():
                 for key in SERVING_METRICS:
                     record[f"serving_c{level.concurrency}_{key}"] = getattr(level, key)
+            for run in result.more_workloads:  # keyed by their shape: serving_2048x256_c8_...
+                prefix = f"serving_{_shape(run.workload, 'x')}"
+                for level in run.levels.values():
+                    for key in SERVING_METRICS:
+                        record[f"{prefix}_c{level.concurrency}_{key}"] = getattr(level, key)
         write_json_atomic(self.layout.metrics_path(target, gpu_host), record)
+
+
+def _shape(workload: dict[str, Any], sep: str = "/") -> str:
+    """A serving workload's prompt and output tokens: 512/128 (512x128 inside a metrics key)."""
+    return f"{workload['prompt_tokens']}{sep}{workload['output_tokens']}"
 
 
 def inputs_sha256(

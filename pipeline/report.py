@@ -18,9 +18,9 @@ from pipeline.artifacts import write_text_atomic
 from pipeline.constants import CONTENDED_SHARE
 from pipeline.errors import PipelineError
 
-SERVING_KEY = re.compile(
-    r"^serving_c(\d+)_(ttft_ms_p50|ttft_ms_p99|itl_ms_p50|itl_ms_p99|output_tokens_per_s|peak_rss_mib|"
-    r"peak_gpu_mib|others_cpu_share)$"
+SERVING_KEY = re.compile(  # the first workload's, or a further one's (its prompt x output tokens)
+    r"^serving_(?:(\d+x\d+)_)?c(\d+)_(ttft_ms_p50|ttft_ms_p99|itl_ms_p50|itl_ms_p99|output_tokens_per_s|"
+    r"peak_rss_mib|peak_gpu_mib|others_cpu_share)$"
 )
 # Chart ids in the page; a test counts each chart's marks by them.
 SIZE_CHART, SERVING_CHART = "size-vs-ppl", "throughput-vs-ttft"
@@ -31,6 +31,7 @@ class ServingPoint:
     """One concurrency level of one artifact's serving benchmark."""
 
     concurrency: int
+    workload: str | None = None  # prompt/output tokens; None: the first workload of an older record
     ttft_ms_p50: float | None = None
     ttft_ms_p99: float | None = None
     itl_ms_p50: float | None = None
@@ -58,16 +59,25 @@ class ReportRow:
     tokens_per_s: float | None
     tokens_per_s_others_cpu_share: float | None = None
     serving_status: str | None = None
-    serving: list[ServingPoint] = field(default_factory=list)
+    serving: list[ServingPoint] = field(default_factory=list)  # the first workload's levels
+    more_serving: list[ServingPoint] = field(default_factory=list)  # further workloads' levels
     serving_device: str | None = None  # where the serving benchmark ran (a GPU's name, or cpu)
     bound_share_c1: float | None = None  # concurrency 1's share of the bandwidth bound
 
     @classmethod
     def from_metrics(cls, record: dict[str, Any]) -> ReportRow:
-        levels: dict[int, dict[str, float]] = {}
+        levels: dict[tuple[str | None, int], dict[str, float]] = {}
         for key, value in record.items():
             if (m := SERVING_KEY.match(key)) is not None:
-                levels.setdefault(int(m[1]), {})[m[2]] = value
+                levels.setdefault((m[1], int(m[2])), {})[m[3]] = value
+        first = record.get("serving_workload")
+
+        def points(further: bool) -> list[ServingPoint]:
+            """The first workload's levels, or the further ones' (by prompt, output, concurrency)."""
+            keys = [k for k in levels if (k[0] is not None) == further]
+            keys.sort(key=lambda k: ([int(n) for n in k[0].split("x")] if k[0] else [], k[1]))
+            return [ServingPoint(c, w.replace("x", "/") if w else first, **levels[(w, c)]) for w, c in keys]
+
         return cls(
             target=record["target"],
             engine=record.get("engine") or "-",
@@ -82,7 +92,8 @@ class ReportRow:
             tokens_per_s=record.get("tokens_per_s"),
             tokens_per_s_others_cpu_share=record.get("tokens_per_s_others_cpu_share"),
             serving_status=record.get(f"serving_{record.get('engine')}"),
-            serving=[ServingPoint(c, **levels[c]) for c in sorted(levels)],
+            serving=points(further=False),
+            more_serving=points(further=True),
             serving_device=record.get("serving_device"),
             bound_share_c1=record.get("serving_bound_share_c1"),
         )
@@ -220,8 +231,8 @@ def _table(rows: list[ReportRow]) -> str:
 
 
 LEVEL_COLUMNS = (
-    "target", "engine", "served on", "concurrency", "TTFT p50 / p99 ms", "ITL p50 / p99 ms",
-    "output tok/s", "peak GPU MiB", "peak RSS MiB",
+    "target", "engine", "served on", "prompt/output tokens", "concurrency", "TTFT p50 / p99 ms",
+    "ITL p50 / p99 ms", "output tok/s", "peak GPU MiB", "peak RSS MiB",
 )  # fmt: skip
 
 
@@ -229,9 +240,10 @@ def _levels_table(rows: list[ReportRow]) -> str:
     """Every serving level of every target: latency percentiles, throughput and peak memory."""
     body = []
     for r in rows:
-        for p in r.serving:
+        for p in [*r.serving, *r.more_serving]:
             cells = (
-                _cell(r.target), _cell(r.engine), _cell(r.measured_on), _cell(p.concurrency),
+                _cell(r.target), _cell(r.engine), _cell(r.measured_on), _cell(p.workload),
+                _cell(p.concurrency),
                 f"{_cell(p.ttft_ms_p50, '.0f')} / {_cell(p.ttft_ms_p99, '.0f')}",
                 f"{_cell(p.itl_ms_p50, '.1f')} / {_cell(p.itl_ms_p99, '.1f')}",
                 _cell(p.output_tokens_per_s, ".1f") + _contended(p.others_cpu_share),
@@ -285,8 +297,8 @@ KLD top-k ≥ is the lower bound from an engine's top-64 logprobs; serving numbe
 serving benchmark (GuideLLM under each artifact's serve command), each on the host that measured it
 (a target built on both the CPU host and the GPU host is a row each); the bandwidth bound is
 concurrency 1's output tokens/s over what the GPU's memory bandwidth allows (pipeline.decode_bound).
-Below it, every serving level (the recipe's first workload; peak GPU memory is device-wide, so an
-engine's reservation shows there).</p>
+Below it, every serving level of every workload (the table above and the plots: the first
+workload's; peak GPU memory is device-wide, so an engine's reservation shows there).</p>
 {_table(rows)}
 {_levels_table(rows)}
 {divs}

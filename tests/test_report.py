@@ -165,12 +165,21 @@ def test_every_serving_level_is_a_row_with_its_percentiles_and_peak_memory() -> 
         **_metrics("awq", "vllm", "awq", "passed", 4.0, 2.0, {1: (31.0, 210.0), 8: (60.0, 1650.0)}),
     }
     record |= {"serving_device": "NVIDIA H200", "serving_c1_ttft_ms_p50": 18.0, "serving_c1_itl_ms_p50": 3.75,
-               "serving_c1_peak_gpu_mib": 126_500.0}  # fmt: skip
-    table = _levels_table([ReportRow.from_metrics(record)])
+               "serving_c1_peak_gpu_mib": 126_500.0, "serving_workload": "512/128",
+               "serving_2048x256_c8_output_tokens_per_s": 990.0,
+               "serving_2048x256_c1_output_tokens_per_s": 190.0,
+               "serving_10000x16_c1_output_tokens_per_s": 50.0}  # fmt: skip
+    row = ReportRow.from_metrics(record)
+    assert [(p.workload, p.concurrency) for p in row.serving] == [("512/128", 1), ("512/128", 8)]
+    assert [(p.workload, p.concurrency, p.output_tokens_per_s) for p in row.more_serving] == [
+        ("2048/256", 1, 190.0), ("2048/256", 8, 990.0), ("10000/16", 1, 50.0)]  # fmt: skip
+    table = _levels_table([row])
     rows = table.split("<tr>")[2:]  # after the header row
-    assert len(rows) == 2
     assert (
-        "<td>NVIDIA H200</td><td>1</td><td>18 / 31</td><td>3.8 / 20.0</td><td>210.0</td>"
+        len(rows) == 5 and "<td>2048/256</td><td>8</td><td>– / –</td><td>– / –</td><td>990.0</td>" in rows[3]
+    )
+    assert (
+        "<td>NVIDIA H200</td><td>512/128</td><td>1</td><td>18 / 31</td><td>3.8 / 20.0</td><td>210.0</td>"
         "<td>126,500</td><td>400</td>" in rows[0]
     )
     assert "<td>– / 60</td>" in rows[1] and "<td>1650.0</td><td>–</td>" in rows[1]
@@ -180,3 +189,36 @@ def test_every_serving_level_is_a_row_with_its_percentiles_and_peak_memory() -> 
         )
         == ""
     )
+
+
+def test_a_build_s_metrics_carry_each_workload_s_levels_back_to_the_page(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    """What `pipeline build` writes for the page (Project._write_metrics): the first workload's levels
+    unprefixed with its shape, a further workload's under its prompt x output tokens."""
+    from pipeline.manifest import ServingLevel, ServingResult, WorkloadRun, read_manifest
+    from pipeline.project import Project
+    from pipeline.report import report_rows
+    from tests.conftest import write_artifact
+
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets=TARGETS)
+    project = Project.open(recipe)
+    manifest = read_manifest(write_artifact(_isolated_artifacts, "tiny", "awq", "vllm", "awq"))
+
+    def level(c: int, tps: float) -> ServingLevel:
+        return ServingLevel(
+            concurrency=c, completed=4, errored=0, output_tokens_per_s=tps, peak_gpu_mib=9000.0
+        )
+
+    manifest.serving = {"vllm": ServingResult(
+        status="passed", workload={"prompt_tokens": 64, "output_tokens": 32}, levels={"1": level(1, 40.0)},
+        more_workloads=[WorkloadRun(workload={"prompt_tokens": 256, "output_tokens": 8},
+                                    levels={"1": level(1, 30.0), "4": level(4, 90.0)})],
+    )}  # fmt: skip
+    project._write_metrics("awq", manifest, gpu_host=False)
+    record = json.loads(project.layout.metrics_path("awq").read_text())
+    assert record["serving_workload"] == "64/32" and record["serving_c1_peak_gpu_mib"] == 9000.0
+    assert record["serving_256x8_c4_output_tokens_per_s"] == 90.0
+    [row] = [r for r in report_rows(project.report()) if r.target == "awq"]
+    points = [(p.workload, p.concurrency, p.output_tokens_per_s) for p in [*row.serving, *row.more_serving]]
+    assert points == [("64/32", 1, 40.0), ("256/8", 1, 30.0), ("256/8", 4, 90.0)]

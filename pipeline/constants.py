@@ -265,3 +265,10 @@ KLD_GATES = {"kld_mean": "max_kld_mean", "kld_topk_mean": "max_kld_topk_mean"}
 # A step or serving level during which other processes used more than this share of the host's CPUs
 # (UsageSampler.others_cpu_share) has contended timings: the manifest, the report and `select` say so.
 CONTENDED_SHARE = 0.25
+
+# What the DVC metrics file and the report carry of each serving benchmark level:
+# `serving_c<concurrency>_<metric>`, a further workload's `serving_<prompt>x<output>_c<concurrency>_<metric>`.
+SERVING_METRICS = (
+    "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s", "peak_rss_mib",
+    "peak_gpu_mib", "others_cpu_share",
+)  # fmt: skip

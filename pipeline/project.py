@@ -28,6 +28,7 @@ from pipeline.constants import (
     ENV_GUIDELLM,
     MANIFEST_NAME,
     MANIFEST_SCHEMA,
+    SERVING_METRICS,
     STATUS_PASSED,
     STATUS_UNAVAILABLE,
 )
@@ -57,12 +58,6 @@ from pipeline.workers.protocol import is_disk_full
 METRIC_COLUMNS = (
     "ppl", "ppl_ref", "ppl_delta_pct", "kld_mean", "kld_topk_mean", "token_agreement", "top1_agreement",
     "tokens_per_s",
-)  # fmt: skip
-# ... and for each serving benchmark level (`serving_c<concurrency>_<metric>`; a further workload's
-# `serving_<prompt>x<output>_c<concurrency>_<metric>`)
-SERVING_METRICS = (
-    "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s", "peak_rss_mib",
-    "peak_gpu_mib", "others_cpu_share",
 )  # fmt: skip
 
 

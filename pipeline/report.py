@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import write_text_atomic
-from pipeline.constants import CONTENDED_SHARE
+from pipeline.constants import CONTENDED_SHARE, SERVING_METRICS
 from pipeline.errors import PipelineError
 
 SERVING_KEY = re.compile(  # the first workload's, or a further one's (its prompt x output tokens)
-    r"^serving_(?:(\d+x\d+)_)?c(\d+)_(ttft_ms_p50|ttft_ms_p99|itl_ms_p50|itl_ms_p99|output_tokens_per_s|"
-    r"peak_rss_mib|peak_gpu_mib|others_cpu_share)$"
+    rf"^serving_(?:(\d+x\d+)_)?c(\d+)_({'|'.join(SERVING_METRICS)})$"
 )
 # Chart ids in the page; a test counts each chart's marks by them.
 SIZE_CHART, SERVING_CHART = "size-vs-ppl", "throughput-vs-ttft"

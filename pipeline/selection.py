@@ -126,10 +126,20 @@ def _measured_elsewhere(c: Candidate, s: Scenario) -> str | None:
 
 
 def _memory(c: Candidate, env: str | None, s: Scenario) -> tuple[float, str]:
-    """Memory the artifact needs to serve, and where the number comes from. On a GPU the measured
-    peak is the engine's reservation (a share of the whole GPU), not the model's need: there the
-    weights and the 16-bit KV cache of the scenario's concurrent requests at the benchmark's
-    context are what it needs at least."""
+    """Memory the artifact needs to serve, and where the number comes from. Served on a GPU the
+    measured peaks say little (the GPU's is the engine's reservation, a share of the whole GPU; the
+    host's RSS is not where the weights live): the weights and the 16-bit KV cache of the scenario's
+    concurrent requests at the benchmark's context are what it needs at least. On a CPU host: the
+    serving benchmark's peak RSS, else its validation's."""
+    bound = (c.serving or {}).get("decode_bound") or {}
+    if c.serving and not _serving_device(c).startswith("cpu"):
+        if bound.get("kv_bytes"):
+            need = c.size_bytes + bound["kv_bytes"] * s.concurrency
+            return need / MIB, (
+                f"weights + 16-bit KV cache of {s.concurrency} x {bound['context_tokens']} tokens "
+                "(a lower bound: the engine's own buffers not counted)"
+            )
+        return c.size_bytes / MIB, "weights' size (a lower bound: served on a GPU, no KV figure)"
     levels = (c.serving or {}).get("levels") or {}
     peaks = [lv["peak_rss_mib"] for lv in levels.values() if lv.get("peak_rss_mib")]
     if peaks and c.device.startswith("cpu"):
@@ -137,13 +147,6 @@ def _memory(c: Candidate, env: str | None, s: Scenario) -> tuple[float, str]:
     validate = [st.peak_rss_mib for st in c.steps if st.op == "validate" and st.env == env]
     if validate and c.device.startswith("cpu"):
         return max(validate), "peak RSS of its validation in this engine"
-    bound = (c.serving or {}).get("decode_bound") or {}
-    if bound.get("kv_bytes") and not _serving_device(c).startswith("cpu"):
-        need = c.size_bytes + bound["kv_bytes"] * s.concurrency
-        return need / MIB, (
-            f"weights + 16-bit KV cache of {s.concurrency} x {bound['context_tokens']} tokens "
-            "(a lower bound: the engine's own buffers not counted)"
-        )
     return c.size_bytes / MIB, "weights' size (a lower bound: no serving memory measured)"
 
 

@@ -220,8 +220,8 @@ class ServingBenchmarkSpec(Strict):
     ```
     `targets: [gguf-q4_0, awq]` benchmarks only those (default: every target of the recipe).
     `more_workloads: [{prompt_tokens: 2048, output_tokens: 256}]` runs each further shape after the
-    first on the same server, at the same levels and bounds; the first is the one `registry
-    select`, the metrics and the report read.
+    first on the same server, at the same levels and bounds; `registry select`, the report's
+    artifact table and its plots read the first, the metrics and the report's levels table all.
     """
 
     enabled: bool = False

@@ -3,6 +3,7 @@ files of the tiny Llama: the numbers that must hold, and the failures that must 
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -196,3 +197,23 @@ def test_a_base_run_that_stops_without_its_estimate_runs_again_then_fails(
     outputs = [stopped] * llamacpp.KLD_ATTEMPTS
     with pytest.raises(RuntimeError, match=r"gave no perplexity in 3 runs: .*ETA"):
         llamacpp.op_kld_base(req)
+
+
+def test_tools_that_ship_shared_libraries_record_them_in_the_toolchain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU kit's CUDA llama-perplexity keeps its code in libraries beside it: their checksums
+    join the tools' in the toolchain; the static tools of scripts/setup.sh add none."""
+    import shutil
+
+    from pipeline.workers import llamacpp
+
+    static = llamacpp.op_toolchain({})["toolchain"]
+    assert not [k for k in static if k.startswith("lib") and k.endswith("-sha256")]
+    copy = tmp_path / "llama.cpp"
+    shutil.copytree(llamacpp.llama_cpp_dir(), copy)
+    (copy / "bin" / "libllama-common.so.0").write_bytes(b"code")
+    monkeypatch.setenv("PIPELINE_LLAMA_CPP_DIR", str(copy))
+    shared = llamacpp.op_toolchain({})["toolchain"]
+    assert shared.pop("libllama-common.so.0-sha256") == hashlib.sha256(b"code").hexdigest()
+    assert shared == static

@@ -216,6 +216,12 @@ def test_a_build_s_metrics_carry_each_workload_s_levels_back_to_the_page(
                                     levels={"1": level(1, 30.0), "4": level(4, 90.0)})],
     )}  # fmt: skip
     project._write_metrics("awq", manifest, gpu_host=False)
+    from dataclasses import fields
+
+    from pipeline.constants import SERVING_METRICS
+    from pipeline.report import ServingPoint
+
+    assert set(SERVING_METRICS) <= {f.name for f in fields(ServingPoint)}  # every key written is read back
     record = json.loads(project.layout.metrics_path("awq").read_text())
     assert record["serving_workload"] == "64/32" and record["serving_c1_peak_gpu_mib"] == 9000.0
     assert record["serving_256x8_c4_output_tokens_per_s"] == 90.0

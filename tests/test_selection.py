@@ -245,3 +245,21 @@ def test_a_gpu_host_ranks_by_numbers_measured_on_its_architecture(tmp_path: Path
     assert _why(wide, "awq").startswith("needs ") and "16-bit KV cache" in _why(wide, "awq")
     on_cpu = select(reg, Scenario(model="m", cpu=True, objective="throughput"))
     assert _names(on_cpu["ranked"]) == ["gguf-q4_0@llama.cpp"]
+
+
+def test_what_a_gpu_served_artifact_needs_grows_with_the_concurrent_requests(tmp_path: Path) -> None:
+    """Served on a GPU, the host's RSS (a GGUF's levels carry it) is not the need, nor the GPU's
+    device-wide peak: the weights plus the 16-bit KV cache of the scenario's requests are, a lower
+    bound, for a llama.cpp artifact whose verdict names no device as for any other."""
+    root = tmp_path / "artifacts"
+    bound = decode_bound(4_000_000_000, 57_344, 640, "NVIDIA H200", tokens_per_s_c1=150.0)
+    _measured(root, "gguf-q4_0", "llama.cpp", 3.0, levels=[_level(1, 30, 6, 150), _level(4, 60, 9, 500)],
+              served_on=("NVIDIA H200", "sm90"), bound=bound)  # fmt: skip
+    reg = Registry(root)
+    reg.rebuild()
+    size_mib = next(iter(select(reg, Scenario(model="m", gpu_arch="sm90"))["ranked"]))["size_bytes"] / 2**20
+    kv_mib = 57_344 * 640 / 2**20
+    for concurrency in (1, 4):
+        [q4] = select(reg, Scenario(model="m", gpu_arch="sm90", concurrency=concurrency))["ranked"]
+        assert q4["memory_mib"] == pytest.approx(size_mib + concurrency * kv_mib)
+        assert q4["memory_from"].startswith(f"weights + 16-bit KV cache of {concurrency} x 640 tokens")

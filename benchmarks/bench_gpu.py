@@ -42,7 +42,8 @@ from pipeline.engines.serving import ARTIFACT_DIR, free_port, local_argv  # noqa
 from pipeline.environments import UsageSampler, environment, run_step  # noqa: E402
 from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.project import Project  # noqa: E402
-from pipeline.serving import load_request, load_timeout_s  # noqa: E402
+from pipeline.serving import load_request, load_timeout_s, tokenizer_dir  # noqa: E402
+from pipeline.spec import workload_shape  # noqa: E402
 
 RAW = REPO / "benchmarks" / "raw_tools.py"
 
@@ -467,7 +468,7 @@ def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> di
     spec = project.loaded.recipe.serving_benchmark
     port = free_port()
     argv = [*RAW_SERVERS[engine], "--host", "127.0.0.1", "--port", str(port)]
-    tokenizer = model_dir if (model_dir / "tokenizer.json").is_file() else project.context().source.path
+    tokenizer = tokenizer_dir(project.context(), model_dir)
     request = load_request(engine, argv, 1, model_dir, tokenizer, spec, log.with_suffix(".server.log"), port)
     try:
         got = run_step(ENV_GUIDELLM, request, log, timeout_s=load_timeout_s(spec))
@@ -570,7 +571,7 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
     ctx = project.context()
     target_spec = project.loaded.recipe.targets[target]
     artifact = project.layout.target_dir(target)
-    tokenizer = artifact if (artifact / "tokenizer.json").is_file() else ctx.source.path
+    tokenizer = tokenizer_dir(ctx, artifact)
     serve = ctx.serve(target)
     rows: dict[str, Any] = {}
     for name, (env, extra) in {"as recorded": ({}, []), **SERVE_SETTINGS.get(engine, {})}.items():
@@ -733,7 +734,7 @@ def serving_markdown(rows: list[dict[str, Any]], num: Any) -> str:
             )
             memory.append(f"| {r['target']} | {r.get('engine', '–')} | {setting} | {cache} |")
         for run in serving["workloads"]:
-            shape = f"{run['workload']['prompt_tokens']}/{run['workload']['output_tokens']}"
+            shape = workload_shape(run["workload"])
             if run.get("reason"):
                 lines.append(f"| {r['target']} | {r.get('engine', '–')} | {shape} | {run['reason']} |")
             bound = run.get("decode_bound") or {}

@@ -50,7 +50,7 @@ from pipeline.recipe import load_recipe, source_config
 from pipeline.registry import Registry
 from pipeline.serving import benchmark
 from pipeline.source import resolve_source
-from pipeline.spec import LoadedRecipe
+from pipeline.spec import LoadedRecipe, workload_shape
 from pipeline.targets import Target
 from pipeline.workers.protocol import is_disk_full
 
@@ -379,21 +379,16 @@ class Project:
             bound = result.decode_bound
             record["serving_bound_share_c1"] = bound.share_c1 if bound else None
             if result.workload:
-                record["serving_workload"] = _shape(result.workload)
+                record["serving_workload"] = workload_shape(result.workload)
             for level in result.levels.values():
                 for key in SERVING_METRICS:
                     record[f"serving_c{level.concurrency}_{key}"] = getattr(level, key)
             for run in result.more_workloads:  # keyed by their shape: serving_2048x256_c8_...
-                prefix = f"serving_{_shape(run.workload, 'x')}"
+                prefix = f"serving_{workload_shape(run.workload, 'x')}"
                 for level in run.levels.values():
                     for key in SERVING_METRICS:
                         record[f"{prefix}_c{level.concurrency}_{key}"] = getattr(level, key)
         write_json_atomic(self.layout.metrics_path(target, gpu_host), record)
-
-
-def _shape(workload: dict[str, Any], sep: str = "/") -> str:
-    """A serving workload's prompt and output tokens: 512/128 (512x128 inside a metrics key)."""
-    return f"{workload['prompt_tokens']}{sep}{workload['output_tokens']}"
 
 
 def inputs_sha256(

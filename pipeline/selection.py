@@ -16,6 +16,7 @@ from pipeline.constants import CONTENDED_SHARE, ENGINES, STATUS_PASSED
 from pipeline.errors import RegistryError
 from pipeline.manifest import EngineVerdict, Manifest, StepRecord
 from pipeline.registry import Registry, VersionEntry
+from pipeline.spec import workload_shape
 
 Objective = Literal["accuracy", "throughput", "latency", "size"]
 OBJECTIVES: tuple[Objective, ...] = ("accuracy", "throughput", "latency", "size")
@@ -231,11 +232,7 @@ def _reasons(c: Candidate, s: Scenario) -> list[str]:
     level = _level(c, s)
     if level is not None:
         workload = (c.serving or {}).get("workload") or {}
-        shape = (
-            f" of {workload['prompt_tokens']}/{workload['output_tokens']} tokens"
-            if "prompt_tokens" in workload
-            else ""
-        )
+        shape = f" of {workload_shape(workload)} tokens" if "prompt_tokens" in workload else ""
         reasons.append(
             f"at concurrency {s.concurrency}{shape} on {_serving_device(c)}: "
             f"{level['output_tokens_per_s']:.1f} output tokens/s, TTFT p99 {level['ttft_ms_p99']:.0f} ms, "

@@ -22,7 +22,7 @@ from pipeline.engines.serving import ServeArgv, free_port, local_argv
 from pipeline.environments import environment_exists, interpreter, local_gpu_arch, local_gpu_name
 from pipeline.errors import DiskFullError, EngineError
 from pipeline.manifest import DecodeBound, ServingLevel, ServingResult, Validation, WorkloadRun
-from pipeline.spec import ServeSpec, ServingBenchmarkSpec
+from pipeline.spec import ServeSpec, ServingBenchmarkSpec, workload_shape
 from pipeline.workers.vllm import cpu_binding
 
 READY_TIMEOUT_S = 600  # a vLLM CPU server's first start compiles for minutes
@@ -65,9 +65,9 @@ def benchmark(
                 reason=f"no {ENV_GUIDELLM} environment at {interpreter(ENV_GUIDELLM)} (scripts/setup.sh)",
             )
         }
-    tokenizer = artifact if (artifact / "tokenizer.json").is_file() else ctx.source.path
+    tokenizer = tokenizer_dir(ctx, artifact)
     workload = spec.workload()
-    shapes = ", ".join(f"{w['prompt_tokens']}/{w['output_tokens']}" for w in spec.workloads())
+    shapes = ", ".join(workload_shape(w) for w in spec.workloads())
     ctx.reporter.step(name, f"serving benchmark: {engine} at concurrency {spec.concurrency}, tokens {shapes}")
     port = port or free_port()
     serve = ctx.serve(name)
@@ -111,6 +111,11 @@ def benchmark(
             more_workloads=more,
         )
     }
+
+
+def tokenizer_dir(ctx: BuildContext, model_dir: Path) -> Path:
+    """Where the load generator reads the tokenizer: the served directory's own, else the source's."""
+    return model_dir if (model_dir / "tokenizer.json").is_file() else ctx.source.path
 
 
 def load_request(

@@ -270,6 +270,11 @@ class ServingBenchmarkSpec(Strict):
         return {"enabled": True, **self.workload(), **({"more_workloads": more} if more else {})}
 
 
+def workload_shape(workload: dict[str, Any], sep: str = "/") -> str:
+    """A serving workload's prompt and output tokens: 512/128 (512x128 inside a metrics key)."""
+    return f"{workload['prompt_tokens']}{sep}{workload['output_tokens']}"
+
+
 class CalibrationOverride(Strict):
     """A target's own sample count / length over the recipe's calibration text."""
 

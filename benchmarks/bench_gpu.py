@@ -487,8 +487,24 @@ def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> di
 
 LEVEL_KEYS = (
     "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "peak_gpu_mib",
-    "output_tokens_mean",
+    "output_tokens_mean", "planned", "incomplete",
 )  # fmt: skip
+
+
+def paired_levels(ours: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """Each level through the project's command beside the engine's own, and their tokens/s ratio;
+    none where a time cap cut either side (it counts finished requests over the whole window)."""
+    levels = {}
+    for c, level in ours.items():
+        other = raw.get(c) or {}
+        tps, raw_tps = level.get("output_tokens_per_s"), other.get("output_tokens_per_s")
+        cut = bool(level.get("incomplete") or other.get("incomplete"))
+        levels[c] = {
+            "project": {k: level.get(k) for k in LEVEL_KEYS},
+            "raw": {k: other.get(k) for k in LEVEL_KEYS},
+            "ratio": round(tps / raw_tps, 3) if tps and raw_tps and not cut else None,
+        }
+    return levels
 
 
 def serving_rows(project: Project, target: str, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -503,15 +519,7 @@ def serving_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
     raw_runs = raw.get("workloads") or [{} for _ in range(1 + len(ours.get("more_workloads", [])))]
     workloads = []
     for run, raw_run in zip([ours, *ours.get("more_workloads", [])], raw_runs, strict=True):
-        levels = {}
-        for c, level in run["levels"].items():
-            other = (raw_run.get("levels") or {}).get(c) or {}
-            tps, raw_tps = level.get("output_tokens_per_s"), other.get("output_tokens_per_s")
-            levels[c] = {
-                "project": {k: level.get(k) for k in LEVEL_KEYS},
-                "raw": {k: other.get(k) for k in LEVEL_KEYS},
-                "ratio": round(tps / raw_tps, 3) if tps and raw_tps else None,
-            }
+        levels = paired_levels(run["levels"], raw_run.get("levels") or {})
         reason = run.get("reason") or raw_run.get("reason")  # a further workload that failed, either side
         workloads.append(
             {
@@ -744,8 +752,9 @@ def serving_markdown(rows: list[dict[str, Any]], num: Any) -> str:
                 share = num(bound.get("share_c1"), ".0%") if c == "1" and bound else "–"
                 tps, raw_tps = (ours or {}).get("output_tokens_per_s"), raw.get("output_tokens_per_s")
                 lines.append(
-                    f"| {r['target']} | {r.get('engine', '–')} | {shape} | {c} | {num(tps, '.1f')} | "
-                    f"{num(raw_tps, '.1f')} | {num(level.get('ratio'), '.3f')} | "
+                    f"| {r['target']} | {r.get('engine', '–')} | {shape} | {c} | "
+                    f"{num(tps, '.1f')}{_cut(ours)} | {num(raw_tps, '.1f')}{_cut(raw)} | "
+                    f"{num(level.get('ratio'), '.3f')} | "
                     f"{num(shown.get('ttft_ms_p50'), '.0f')} / {num(shown.get('ttft_ms_p99'), '.0f')} | "
                     f"{num(shown.get('itl_ms_p50'), '.2f')} / {num(shown.get('itl_ms_p99'), '.2f')} | "
                     f"{num(shown.get('peak_gpu_mib'), ',.0f')} | {share} |"
@@ -765,6 +774,13 @@ def serving_markdown(rows: list[dict[str, Any]], num: Any) -> str:
             + "\n"
         )
     return table
+
+
+def _cut(level: dict[str, Any] | None) -> str:
+    """A mark for a level its time cap cut: unfinished requests are not counted, the window is."""
+    if not level or not level.get("incomplete"):
+        return ""
+    return f" (cut: {level['incomplete']} of {level.get('planned') or '?'} unfinished)"
 
 
 KERNEL_LINE = re.compile(

@@ -129,6 +129,8 @@ class ServingLevel(_Model):
     concurrency: int
     completed: int
     errored: int
+    planned: int | None = None  # the requests the level was to run: whole waves of its concurrency
+    incomplete: int | None = None  # cut off by max_seconds_per_level: the level is not comparable
     ttft_ms_p50: float | None = None
     ttft_ms_p99: float | None = None
     itl_ms_p50: float | None = None
@@ -143,6 +145,11 @@ class ServingLevel(_Model):
     @property
     def contended(self) -> bool:
         return (self.others_cpu_share or 0.0) > CONTENDED_SHARE
+
+    @property
+    def cut(self) -> bool:
+        """Whether the level's time cap ended it before its requests had finished."""
+        return bool(self.incomplete)
 
 
 class DecodeBound(_Model):

@@ -22,7 +22,7 @@ from pipeline.engines.serving import ServeArgv, free_port, local_argv
 from pipeline.environments import environment_exists, interpreter, local_gpu_arch, local_gpu_name
 from pipeline.errors import DiskFullError, EngineError
 from pipeline.manifest import DecodeBound, ServingLevel, ServingResult, Validation, WorkloadRun
-from pipeline.spec import ServeSpec, ServingBenchmarkSpec, workload_shape
+from pipeline.spec import ServeSpec, ServingBenchmarkSpec, level_requests, workload_shape
 from pipeline.workers.vllm import cpu_binding
 
 READY_TIMEOUT_S = 600  # a vLLM CPU server's first start compiles for minutes
@@ -130,7 +130,8 @@ def load_request(
 ) -> dict[str, Any]:
     """The load generator's request (pipeline.workers.loadgen): `engine`'s server started by `argv`
     on loopback `port`, loaded with the recipe's workload. The serving benchmark and the benchmark
-    scripts' engine-with-its-defaults runs both send it, so the two see the same load."""
+    scripts' engine-with-its-defaults runs both send it, so the two see the same load. Each workload
+    carries its levels' request counts (whole waves: spec.level_requests)."""
     return {
         "op": "benchmark",
         "argv": argv,
@@ -138,7 +139,7 @@ def load_request(
         "server_env": server_env(engine, tp_size),
         "model_dir": str(model_dir),
         "tokenizer": str(tokenizer),
-        "workloads": spec.workloads(),
+        "workloads": [{**w, "level_requests": level_requests(w)} for w in spec.workloads()],
         "server_log": str(server_log),
         "ready_timeout_s": READY_TIMEOUT_S,
         "port": port,

@@ -222,6 +222,13 @@ class ServingBenchmarkSpec(Strict):
     `more_workloads: [{prompt_tokens: 2048, output_tokens: 256}]` runs each further shape after the
     first on the same server, at the same levels and bounds; `registry select`, the report's
     artifact table and its plots read the first, the metrics and the report's levels table all.
+
+    Each level runs whole waves of its concurrency, as vLLM's own benchmark does (a request count,
+    not a time window): `requests` rounded up to a multiple of the level, and at least `min_waves`
+    waves (`level_requests`). `max_seconds_per_level` only caps a level: one it cuts records its
+    unfinished requests (`incomplete`), and its tokens/s counts finished requests over the whole
+    window (on the H200, 2026-12-05, a 15 s window at 2048/256 tokens gave the same numbers, whole
+    waves over 15 s, for every artifact).
     """
 
     enabled: bool = False
@@ -229,8 +236,9 @@ class ServingBenchmarkSpec(Strict):
     prompt_tokens: int = Field(64, ge=1, le=131_072)
     output_tokens: int = Field(32, ge=1, le=32_768)
     concurrency: list[int] = Field([1, 4], min_length=1)
-    requests: int = Field(8, ge=1, le=100_000)  # per concurrency level
-    max_seconds_per_level: float = Field(120, gt=0)
+    requests: int = Field(8, ge=1, le=100_000)  # per concurrency level, rounded up to whole waves
+    min_waves: int = Field(1, ge=1, le=1000)  # each level runs at least this many waves
+    max_seconds_per_level: float = Field(120, gt=0)  # a cap: a level it cuts is marked, not measured
     seed: int = 0
     more_workloads: list[WorkloadShape] = []
 
@@ -267,7 +275,18 @@ class ServingBenchmarkSpec(Strict):
         """What a benchmarked artifact's inputs hash reads: the first load, and the further shapes
         only where there are some (recipes without them keep the hashes they had)."""
         more = [shape.model_dump() for shape in self.more_workloads]
-        return {"enabled": True, **self.workload(), **({"more_workloads": more} if more else {})}
+        first = self.workload()
+        if self.min_waves == 1:  # the default: recipes that do not set it keep their hashes
+            del first["min_waves"]
+        return {"enabled": True, **first, **({"more_workloads": more} if more else {})}
+
+
+def level_requests(workload: dict[str, Any]) -> list[int]:
+    """How many requests each concurrency level of a workload runs: whole waves of the level, at
+    least `requests` and at least `min_waves` waves."""
+    return [
+        c * max(-(-workload["requests"] // c), workload.get("min_waves", 1)) for c in workload["concurrency"]
+    ]
 
 
 def workload_shape(workload: dict[str, Any], sep: str = "/") -> str:

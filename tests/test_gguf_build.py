@@ -403,7 +403,8 @@ def test_a_changed_lock_makes_the_target_stale_and_is_recorded(
     }
 
 
-BENCH = {"enabled": True, "prompt_tokens": 16, "output_tokens": 8, "concurrency": [1, 2], "requests": 2}
+BENCH = {"enabled": True, "prompt_tokens": 16, "output_tokens": 8, "concurrency": [1, 2], "requests": 2,
+         "min_waves": 2}  # fmt: skip
 
 
 def test_a_failing_benchmark_is_recorded_and_never_touches_the_artifact(
@@ -413,7 +414,8 @@ def test_a_failing_benchmark_is_recorded_and_never_touches_the_artifact(
     benchmark can fail: a server that never gets ready (inside a build: the artifact is still
     published and resolves), then on that artifact a port taken by another process and a load
     generator that crashes (GuideLLM cannot load the tokenizer). Each is `failed` with the reason,
-    and no server is left behind."""
+    and no server is left behind. Last, the same artifact benchmarked: GuideLLM ran each level's
+    own request count (whole waves: 2 at concurrency 1, 4 at 2)."""
     import pipeline.serving
     from pipeline.manifest import read_manifest
     from pipeline.serving import benchmark
@@ -450,3 +452,10 @@ def test_a_failing_benchmark_is_recorded_and_never_touches_the_artifact(
     assert got["llama.cpp"].status == "failed" and "guidellm exited with code" in got["llama.cpp"].reason
     assert llama_servers(_isolated_artifacts) == [] and llama_servers(tmp_path) == []
     assert read_manifest(artifact) == manifest
+
+    got = benchmark(ctx, "gguf-f16", artifact, manifest.validation, command)["llama.cpp"]
+    assert got.status == "passed", got.reason
+    assert [(lv.planned, lv.completed + lv.errored, lv.incomplete) for lv in got.levels.values()] == [
+        (2, 2, 0), (4, 4, 0)
+    ]  # fmt: skip
+    assert llama_servers(_isolated_artifacts) == []

@@ -124,6 +124,24 @@ def test_each_kit_recipe_loads_once_its_checkpoint_is_made(tmp_path: Path, recip
     assert loaded.recipe.targets and loaded.recipe.source.path == str(source)
 
 
+def test_a_level_its_time_cap_cut_gets_no_ratio_and_is_marked() -> None:
+    """A cut level counts finished requests over the whole window (2026-12-05: every artifact's
+    2048/256 levels read 128 x 256 tokens / 15 s): no ratio, and the table says how many were cut."""
+    import benchmarks.bench_gpu as bench
+
+    whole = {"output_tokens_per_s": 6690.0, "planned": 512, "incomplete": 0}
+    cut = {"output_tokens_per_s": 2184.5, "planned": 512, "incomplete": 128}
+    before = {**whole, "incomplete": None}  # a manifest from before the field
+    levels = bench.paired_levels({"128": whole, "32": whole}, {"128": cut, "32": before})
+    assert levels["32"]["ratio"] == 1.0 and levels["128"]["ratio"] is None
+    assert levels["128"]["raw"]["incomplete"] == 128
+    rows = [{"target": "gptq", "engine": "vllm", "serving": {"status": "passed", "workloads": [
+        {"workload": {"prompt_tokens": 2048, "output_tokens": 256}, "levels": levels}]}}]  # fmt: skip
+    text = bench.serving_markdown(rows, lambda v, f: format(v, f) if v is not None else "–")
+    assert "| 128 | 6690.0 | 2184.5 (cut: 128 of 512 unfinished) | – |" in text
+    assert "| 32 | 6690.0 | 6690.0 | 1.000 |" in text
+
+
 def test_the_serving_and_settings_tables_show_every_workload_and_each_setting_s_outcome() -> None:
     """The kit's results page: a row per workload and level (project beside raw, their ratio, the
     share of the bound at 1) and a row per engine setting tried, a failed one with its reason."""
@@ -231,7 +249,8 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
     monkeypatch.setenv("KIT_TEST_VAR", "0")
     serving = {"status": "passed", "decode_bound": {"bound_tokens_per_s": 400.0}}
     got = bench.setting_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {"llama.cpp": serving}})
-    assert [r["workloads"] for r in sent] == [[{**got["workload"]}]] * 2  # one shape, concurrency 1
+    # one shape, concurrency 1, its request count sent beside it
+    assert [r["workloads"] for r in sent] == [[{**got["workload"], "level_requests": [8]}]] * 2
     assert got["workload"]["concurrency"] == [1] and got["workload"]["prompt_tokens"] == 64
     recorded, flash = (
         [a for a, before in zip(r["argv"], [None, *r["argv"]][:-1], strict=True) if before != "--port"]

@@ -13,6 +13,7 @@ from pipeline.cli import app
 from pipeline.errors import RecipeError, RegistryError
 from pipeline.project import Project
 from pipeline.recipe import load_recipe
+from pipeline.spec import level_requests
 from pipeline.texts import parse_hf_ref
 from tests.conftest import REPO, empty_checkpoint, write_recipe
 
@@ -80,6 +81,14 @@ def test_the_serving_benchmark_names_only_the_recipes_targets(tmp_path: Path) ->
     assert not off.recipe.serving_benchmark.benchmarks("gguf-f16")
 
 
+def test_each_level_runs_whole_waves_of_its_concurrency() -> None:
+    # at least `requests`, rounded up to a multiple of the level, and at least min_waves waves
+    load = {"requests": 32, "concurrency": [1, 8, 32, 128], "min_waves": 4}
+    assert level_requests(load) == [32, 32, 128, 512]
+    assert level_requests({**load, "min_waves": 1}) == [32, 32, 32, 128]
+    assert level_requests({"requests": 8, "concurrency": [1, 3, 4]}) == [8, 9, 8]  # recipes before min_waves
+
+
 def test_more_workloads_run_after_the_first_and_only_they_move_the_inputs_hash(tmp_path: Path) -> None:
     empty_checkpoint(tmp_path / "model")
     first = {"enabled": True, "prompt_tokens": 512, "output_tokens": 128, "concurrency": [8, 1]}
@@ -96,6 +105,9 @@ def test_more_workloads_run_after_the_first_and_only_they_move_the_inputs_hash(t
     second = two.workloads()[1]
     assert (second["prompt_tokens"], second["output_tokens"], second["concurrency"]) == (2048, 256, [1, 8])
     assert two.hashed() != one.hashed()
+    waves = {**first, "min_waves": 4}  # set, it moves the hash; left at 1, it is not hashed (above)
+    four = load_recipe(write_recipe(tmp_path / "four.yaml", serving_benchmark=waves)).recipe.serving_benchmark
+    assert four.hashed() == {**one.hashed(), "min_waves": 4}
     again = {**first, "more_workloads": [{"prompt_tokens": 512, "output_tokens": 128}]}
     assert "more_workloads repeats the shape (prompt, output) (512, 128)" in _error(
         tmp_path, serving_benchmark=again

@@ -127,7 +127,7 @@ def _measure(
                 why = last_error_line(log.read_text(errors="replace"))
                 raise RuntimeError(f"the server died during the benchmark: {why}")
     levels = []
-    for level, (start, end) in parse_report(report):
+    for level, (start, end) in parse_report(report, workload["level_requests"]):
         rss, gpu = usage.peaks(start, end)
         levels.append(
             {
@@ -169,16 +169,19 @@ def guidellm_argv(
     base: str, model_id: str, tokenizer: str, workload: dict[str, Any], report: Path
 ) -> list[str]:
     """GuideLLM 0.8's `run`: streamed OpenAI completions (TTFT and inter-token latency measured),
-    synthetic prompts of a fixed length, fixed concurrencies, a bounded request count and duration
-    per level. llama.cpp's server has no /health: readiness is asked of /v1/models."""
+    synthetic prompts of a fixed length, fixed concurrencies, each level its own request count
+    (whole waves, the core's `level_requests`; `constraints[0]` is max_requests) and a duration cap.
+    llama.cpp's server has no /health: readiness is asked of /v1/models."""
     levels = workload["concurrency"]
+    counts = workload["level_requests"]
     return [
         sys.executable, "-m", "guidellm", "run",  # no console script where the set is carried (--target)
         "--backend", f"kind=openai_http,target={base},model={model_id},request_format=/v1/completions,"
                      "stream=true,timeout=120,api_routes./health=v1/models",
         "--profile", f"kind=concurrent,streams={levels[0]}",
         "--override", "profile.streams", ",".join(str(c) for c in levels),
-        "--constraint", f"kind=max_requests,count={workload['requests']}",
+        "--constraint", f"kind=max_requests,count={counts[0]}",
+        "--override", "constraints[0].count", ",".join(str(n) for n in counts),
         "--constraint", f"kind=max_duration,seconds={workload['max_seconds_per_level']}",
         "--data", f"kind=synthetic_text,prompt_tokens={workload['prompt_tokens']},"
                   f"output_tokens={workload['output_tokens']}",
@@ -189,10 +192,13 @@ def guidellm_argv(
     ]  # fmt: skip
 
 
-def parse_report(report: dict[str, Any]) -> list[tuple[dict[str, Any], tuple[float, float]]]:
-    """Each level's numbers (latencies in ms) and its (start, end) wall-clock times."""
+def parse_report(
+    report: dict[str, Any], counts: list[int]
+) -> list[tuple[dict[str, Any], tuple[float, float]]]:
+    """Each level's numbers (latencies in ms) and its (start, end) wall-clock times; `counts`, the
+    requests each level was to run."""
     levels = []
-    for bench in report["benchmarks"]:
+    for bench, planned in zip(report["benchmarks"], counts, strict=True):
         m = bench["metrics"]
 
         def pct(key: str, p: str, m: dict[str, Any] = m) -> float | None:
@@ -202,6 +208,9 @@ def parse_report(report: dict[str, Any]) -> list[tuple[dict[str, Any], tuple[flo
             "concurrency": bench["config"]["strategy"]["streams"],
             "completed": m["request_totals"]["successful"],
             "errored": m["request_totals"]["errored"],
+            "planned": planned,
+            # requests the duration cap cut off: their tokens are not counted, the window is
+            "incomplete": m["request_totals"]["incomplete"],
             "ttft_ms_p50": pct("time_to_first_token_ms", "p50"),
             "ttft_ms_p99": pct("time_to_first_token_ms", "p99"),
             "itl_ms_p50": pct("inter_token_latency_ms", "p50"),

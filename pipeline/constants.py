@@ -270,5 +270,5 @@ CONTENDED_SHARE = 0.25
 # `serving_c<concurrency>_<metric>`, a further workload's `serving_<prompt>x<output>_c<concurrency>_<metric>`.
 SERVING_METRICS = (
     "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s", "peak_rss_mib",
-    "peak_gpu_mib", "others_cpu_share",
+    "peak_gpu_mib", "others_cpu_share", "incomplete",
 )  # fmt: skip

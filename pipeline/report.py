@@ -39,6 +39,7 @@ class ServingPoint:
     peak_rss_mib: float | None = None
     peak_gpu_mib: float | None = None  # device-wide: an engine's reservation shows here
     others_cpu_share: float | None = None  # other processes' share of the host's CPUs meanwhile
+    incomplete: int | None = None  # requests the level's time cap cut off (its tokens/s undercounts)
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,14 @@ def _contended(others_cpu_share: float | None) -> str:
     return f' <span class="contended" title="{title}">contended</span>'
 
 
+def _cut(incomplete: int | None) -> str:
+    """A mark for a level its time cap ended with requests unfinished (not counted in its tokens/s)."""
+    if not incomplete:
+        return ""
+    title = f"the time cap cut {incomplete} requests: finished ones only over the whole window"
+    return f' <span class="contended" title="{title}">cut</span>'
+
+
 def _table(rows: list[ReportRow]) -> str:
     head = "".join(f"<th>{html.escape(c)}</th>" for c in TABLE_COLUMNS)
     body = []
@@ -245,7 +254,7 @@ def _levels_table(rows: list[ReportRow]) -> str:
                 _cell(p.concurrency),
                 f"{_cell(p.ttft_ms_p50, '.0f')} / {_cell(p.ttft_ms_p99, '.0f')}",
                 f"{_cell(p.itl_ms_p50, '.1f')} / {_cell(p.itl_ms_p99, '.1f')}",
-                _cell(p.output_tokens_per_s, ".1f") + _contended(p.others_cpu_share),
+                _cell(p.output_tokens_per_s, ".1f") + _contended(p.others_cpu_share) + _cut(p.incomplete),
                 _cell(p.peak_gpu_mib, ",.0f"), _cell(p.peak_rss_mib, ",.0f"),
             )  # fmt: skip
             body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")

@@ -250,6 +250,12 @@ def _reasons(c: Candidate, s: Scenario) -> list[str]:
                 f"CONTENDED: other processes used {others:.0%} of the host's CPUs during that benchmark; "
                 "rebuild it with the host to itself (`pipeline build --force`) for clean numbers"
             )
+        if level.get("incomplete"):
+            reasons.append(
+                f"CUT: the level's time cap ended it with {level['incomplete']} of "
+                f"{level.get('planned') or '?'} requests unfinished; its tokens/s counts only finished "
+                "ones (raise serving_benchmark.max_seconds_per_level and rebuild)"
+            )
     return reasons
 
 

@@ -185,6 +185,22 @@ def test_a_contended_benchmark_is_named_in_the_reasons(tmp_path: Path) -> None:
     assert "CONTENDED" not in reasons["gguf-q4_0"]
 
 
+def test_a_level_its_time_cap_cut_is_named_in_the_reasons(tmp_path: Path) -> None:
+    """A level cut mid-wave counts only the finished requests' tokens over the whole window: a
+    throughput nobody gets (2026-12-05, H200: 128 of 256 requests cut at 2048/256 tokens)."""
+    root = tmp_path / "artifacts"
+    cut = _level(1, 60, 30, 35).model_copy(update={"planned": 32, "incomplete": 1})
+    _measured(root, "gguf-q8_0", "llama.cpp", 0.5, levels=[cut])
+    whole = _level(1, 60, 30, 35).model_copy(update={"planned": 32, "incomplete": 0})
+    _measured(root, "gguf-q4_0", "llama.cpp", 20.0, levels=[whole])
+    reg = Registry(root)
+    reg.rebuild()
+    answer = select(reg, Scenario(model="m", cpu=True, objective="throughput", concurrency=1))
+    reasons = {c["target"]: " ".join(c["reasons"]) for c in answer["ranked"]}
+    assert "CUT: the level's time cap ended it with 1 of 32 requests unfinished" in reasons["gguf-q8_0"]
+    assert "CUT" not in reasons["gguf-q4_0"]
+
+
 def test_a_host_with_fewer_gpus_excludes_what_is_sharded_over_more(
     registry: Registry, tmp_path: Path
 ) -> None:

@@ -38,8 +38,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipeline.constants import ENV_GUIDELLM, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS  # noqa: E402
+from pipeline.decode_bound import checkpoint_weights_read, decode_bound, kv_bytes_per_context_token  # noqa: E402
 from pipeline.engines.serving import ARTIFACT_DIR, free_port, local_argv  # noqa: E402
-from pipeline.environments import UsageSampler, environment, run_step  # noqa: E402
+from pipeline.environments import UsageSampler, environment, local_gpu_name, run_step  # noqa: E402
 from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.project import Project  # noqa: E402
 from pipeline.serving import load_request, load_timeout_s, tokenizer_dir  # noqa: E402
@@ -617,12 +618,25 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
     return {"status": "passed", "workload": spec.workload(), "bound_tokens_per_s": bound, "settings": rows}
 
 
+def with_bounds(got: dict[str, Any], checkpoint: Path, gpu_name: str | None) -> None:
+    """Each workload of a raw serving run on a safetensors checkpoint gets the decode bound the
+    artifacts' rows carry (pipeline.decode_bound: its weights as stored, 16-bit KV at the context)."""
+    weights = checkpoint_weights_read(checkpoint)
+    kv = kv_bytes_per_context_token(json.loads((checkpoint / "config.json").read_text()))
+    for run in got.get("workloads", []):
+        load, c1 = run["workload"], run["levels"].get("1") or {}
+        context = load["prompt_tokens"] + load["output_tokens"]
+        bound = decode_bound(weights, kv, context, gpu_name, c1.get("output_tokens_per_s"))
+        run["decode_bound"] = bound.model_dump()
+
+
 def serve_source(recipe: Path, json_out: Path) -> None:
     """The unquantized source served by vLLM with its defaults: the serving table's baseline."""
     project = Project.open(recipe)
     source = project.context().source.path
     project.layout.logs_dir.mkdir(parents=True, exist_ok=True)
     got = raw_serving(project, "vllm", source, project.layout.logs_dir / "source-raw-serving.log")
+    with_bounds(got, source, local_gpu_name())
     rows = json.loads(json_out.read_text()) if json_out.is_file() else []
     rows.append({"target": "source (vLLM defaults)", "engine": "vllm", "device": _device(), "serving": got})
     write_results(json_out, rows)

@@ -3,11 +3,13 @@ carry in their environment, never by a name pattern: a stranger's process of the
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.conftest import REPO
@@ -122,6 +124,28 @@ def test_each_kit_recipe_loads_once_its_checkpoint_is_made(tmp_path: Path, recip
     (tmp_path / recipe).write_text(text)
     loaded = load_recipe(tmp_path / recipe)
     assert loaded.recipe.targets and loaded.recipe.source.path == str(source)
+
+
+def test_the_source_row_gets_the_bound_its_artifacts_get(tmp_path: Path) -> None:
+    """The bf16 baseline's share of its bandwidth bound, as the artifacts' rows have theirs: here a
+    tied 2-layer checkpoint (every weight read) at 512 + 128 tokens of context on an H200."""
+    from safetensors.numpy import save_file
+
+    import benchmarks.bench_gpu as bench
+
+    tmp_path.joinpath("config.json").write_text(json.dumps(
+        {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "num_hidden_layers": 2}
+    ))  # fmt: skip
+    save_file(
+        {"model.embed_tokens.weight": np.zeros((1000, 64), np.float16)}, str(tmp_path / "m.safetensors")
+    )
+    got = {"workloads": [{"workload": {"prompt_tokens": 512, "output_tokens": 128},
+                          "levels": {"1": {"output_tokens_per_s": 1.0e7}}}]}  # fmt: skip
+    bench.with_bounds(got, tmp_path, "NVIDIA H200")
+    bound = got["workloads"][0]["decode_bound"]
+    kv = 2 * 2 * 2 * 16 * 2 * 640  # K and V, 2 layers, 2 KV heads of 16, 16-bit, 640 tokens
+    assert bound["bytes_per_token"] == 1000 * 64 * 2 + kv
+    assert bound["share_c1"] == round(1.0e7 / (4.8e12 / (128_000 + kv)), 4) and bound["flag"] is None
 
 
 def test_a_level_its_time_cap_cut_gets_no_ratio_and_is_marked() -> None:

@@ -488,7 +488,7 @@ def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> di
 
 LEVEL_KEYS = (
     "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "peak_gpu_mib",
-    "output_tokens_mean", "planned", "incomplete",
+    "output_tokens_mean", "planned", "incomplete", "completed", "errored",
 )  # fmt: skip
 
 
@@ -544,7 +544,8 @@ def serving_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
 
 # Engine settings that may close concurrency 1's gap to the bandwidth bound (issue 26: "find it and
 # say what it costs"): each is the project's serve command with that one change, measured at
-# concurrency 1 on the first workload, beside the command as it is in the same run.
+# concurrency 1 and the recipe's highest level on the first workload, beside the command as it is
+# in the same run.
 # name -> (server environment, extra arguments).
 SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
     "vllm": {
@@ -605,7 +606,7 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
             continue
         by_level = {lv["concurrency"]: lv for lv in got["runs"][0]["levels"]}
         level, full = by_level.get(1) or {}, by_level.get(top) or {}
-        tps = level.get("output_tokens_per_s")
+        tps = None if level.get("incomplete") else level.get("output_tokens_per_s")  # cut: not a rate
         rows[name] = {
             "status": "passed",
             "env": env,
@@ -615,13 +616,14 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
             "share_of_bound": round(tps / bound, 3) if tps and bound else None,
             **({"top": {k: full.get(k) for k in ("concurrency", *LEVEL_KEYS)}} if top > 1 else {}),
         }
+
+    def rate(level: dict[str, Any] | None) -> float | None:  # a level its cap cut has none to compare
+        return None if not level or level.get("incomplete") else level.get("output_tokens_per_s")
+
     recorded = rows.get("as recorded") or {}
-    base, base_top = (
-        recorded.get("output_tokens_per_s"),
-        (recorded.get("top") or {}).get("output_tokens_per_s"),
-    )
+    base, base_top = rate(recorded), rate(recorded.get("top"))
     for row in rows.values():
-        tps, tps_top = row.get("output_tokens_per_s"), (row.get("top") or {}).get("output_tokens_per_s")
+        tps, tps_top = rate(row), rate(row.get("top"))
         row["ratio"] = round(tps / base, 3) if tps and base else None
         if "top" in row:
             row["top"]["ratio"] = round(tps_top / base_top, 3) if tps_top and base_top else None
@@ -631,13 +633,17 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
 def with_bounds(got: dict[str, Any], checkpoint: Path, gpu_name: str | None) -> None:
     """Each workload of a raw serving run on a safetensors checkpoint gets the decode bound the
     artifacts' rows carry (pipeline.decode_bound: its weights as stored, 16-bit KV at the context)."""
-    weights = checkpoint_weights_read(checkpoint)
-    kv = kv_bytes_per_context_token(json.loads((checkpoint / "config.json").read_text()))
+    try:
+        weights = checkpoint_weights_read(checkpoint)
+        kv = kv_bytes_per_context_token(json.loads((checkpoint / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, PipelineError) as exc:  # the measured row is kept
+        print(f"no decode bound for {checkpoint}: {exc}")
+        return
     for run in got.get("workloads", []):
         load, c1 = run["workload"], run["levels"].get("1") or {}
         context = load["prompt_tokens"] + load["output_tokens"]
-        bound = decode_bound(weights, kv, context, gpu_name, c1.get("output_tokens_per_s"))
-        run["decode_bound"] = bound.model_dump()
+        tps = None if c1.get("incomplete") else c1.get("output_tokens_per_s")  # a cut level: no share
+        run["decode_bound"] = decode_bound(weights, kv, context, gpu_name, tps).model_dump()
 
 
 def serve_source(recipe: Path, json_out: Path) -> None:
@@ -812,7 +818,8 @@ def _cut(level: dict[str, Any] | None) -> str:
     """A mark for a level its time cap cut: unfinished requests are not counted, the window is."""
     if not level or not level.get("incomplete"):
         return ""
-    return f" (cut: {level['incomplete']} of {level.get('planned') or '?'} unfinished)"
+    finished = (level.get("completed") or 0) + (level.get("errored") or 0)
+    return f" (cut: {finished} of {level.get('planned') or '?'} finished)"
 
 
 KERNEL_LINE = re.compile(

@@ -211,7 +211,9 @@ def _cut(incomplete: int | None) -> str:
     """A mark for a level its time cap ended with requests unfinished (not counted in its tokens/s)."""
     if not incomplete:
         return ""
-    title = f"the time cap cut {incomplete} requests: finished ones only over the whole window"
+    title = (
+        f"the time cap cancelled {incomplete} requests in flight: finished ones only, over the whole window"
+    )
     return f' <span class="contended" title="{title}">cut</span>'
 
 

@@ -251,10 +251,11 @@ def _reasons(c: Candidate, s: Scenario) -> list[str]:
                 "rebuild it with the host to itself (`pipeline build --force`) for clean numbers"
             )
         if level.get("incomplete"):
+            finished = level["completed"] + level["errored"]
             reasons.append(
-                f"CUT: the level's time cap ended it with {level['incomplete']} of "
-                f"{level.get('planned') or '?'} requests unfinished; its tokens/s counts only finished "
-                "ones (raise serving_benchmark.max_seconds_per_level and rebuild)"
+                f"CUT: the level's time cap ended it with {finished} of {level.get('planned') or '?'} "
+                "requests finished; its tokens/s counts only those over the whole window (raise "
+                "serving_benchmark.max_seconds_per_level and rebuild)"
             )
     return reasons
 

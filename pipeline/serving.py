@@ -198,6 +198,7 @@ def _decode_bound(
         if not weights:
             return None
         context = workload["prompt_tokens"] + workload["output_tokens"]
-        return decode_bound(weights, kv, context, gpu, c1.output_tokens_per_s if c1 else None)
+        measured = c1.output_tokens_per_s if c1 and not c1.cut else None  # a cut level is no rate
+        return decode_bound(weights, kv, context, gpu, measured)
 
     return bound

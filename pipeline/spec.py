@@ -238,7 +238,7 @@ class ServingBenchmarkSpec(Strict):
     concurrency: list[int] = Field([1, 4], min_length=1)
     requests: int = Field(8, ge=1, le=100_000)  # per concurrency level, rounded up to whole waves
     min_waves: int = Field(1, ge=1, le=1000)  # each level runs at least this many waves
-    max_seconds_per_level: float = Field(120, gt=0)  # a cap: a level it cuts is marked, not measured
+    max_seconds_per_level: float = Field(120, gt=0)  # a cap: a level it cuts is recorded as cut
     seed: int = 0
     more_workloads: list[WorkloadShape] = []
 

@@ -140,12 +140,18 @@ def test_the_source_row_gets_the_bound_its_artifacts_get(tmp_path: Path) -> None
         {"model.embed_tokens.weight": np.zeros((1000, 64), np.float16)}, str(tmp_path / "m.safetensors")
     )
     got = {"workloads": [{"workload": {"prompt_tokens": 512, "output_tokens": 128},
-                          "levels": {"1": {"output_tokens_per_s": 1.0e7}}}]}  # fmt: skip
+                          "levels": {"1": {"output_tokens_per_s": 1.0e7}}},
+                         {"workload": {"prompt_tokens": 64, "output_tokens": 8},  # cut: a bound, no share
+                          "levels": {"1": {"output_tokens_per_s": 1.0e7, "incomplete": 1}}}]}  # fmt: skip
     bench.with_bounds(got, tmp_path, "NVIDIA H200")
     bound = got["workloads"][0]["decode_bound"]
     kv = 2 * 2 * 2 * 16 * 2 * 640  # K and V, 2 layers, 2 KV heads of 16, 16-bit, 640 tokens
     assert bound["bytes_per_token"] == 1000 * 64 * 2 + kv
     assert bound["share_c1"] == round(1.0e7 / (4.8e12 / (128_000 + kv)), 4) and bound["flag"] is None
+    cut = got["workloads"][1]["decode_bound"]
+    assert cut["bound_tokens_per_s"] and cut["share_c1"] is None and cut["flag"] is None
+    bench.with_bounds(unread := {"workloads": [{}]}, tmp_path / "absent", "NVIDIA H200")  # no checkpoint
+    assert unread == {"workloads": [{}]}  # the measured rows are kept as they were
 
 
 def test_a_level_its_time_cap_cut_gets_no_ratio_and_is_marked() -> None:
@@ -154,7 +160,7 @@ def test_a_level_its_time_cap_cut_gets_no_ratio_and_is_marked() -> None:
     import benchmarks.bench_gpu as bench
 
     whole = {"output_tokens_per_s": 6690.0, "planned": 512, "incomplete": 0}
-    cut = {"output_tokens_per_s": 2184.5, "planned": 512, "incomplete": 128}
+    cut = {"output_tokens_per_s": 2184.5, "planned": 512, "incomplete": 128, "completed": 128, "errored": 0}
     before = {**whole, "incomplete": None}  # a manifest from before the field
     levels = bench.paired_levels({"128": whole, "32": whole}, {"128": cut, "32": before})
     assert levels["32"]["ratio"] == 1.0 and levels["128"]["ratio"] is None
@@ -162,7 +168,7 @@ def test_a_level_its_time_cap_cut_gets_no_ratio_and_is_marked() -> None:
     rows = [{"target": "gptq", "engine": "vllm", "serving": {"status": "passed", "workloads": [
         {"workload": {"prompt_tokens": 2048, "output_tokens": 256}, "levels": levels}]}}]  # fmt: skip
     text = bench.serving_markdown(rows, lambda v, f: format(v, f) if v is not None else "–")
-    assert "| 128 | 6690.0 | 2184.5 (cut: 128 of 512 unfinished) | – |" in text
+    assert "| 128 | 6690.0 | 2184.5 (cut: 128 of 512 finished) | – |" in text
     assert "| 32 | 6690.0 | 6690.0 | 1.000 |" in text
 
 

@@ -197,6 +197,8 @@ def parse_report(
 ) -> list[tuple[dict[str, Any], tuple[float, float]]]:
     """Each level's numbers (latencies in ms) and its (start, end) wall-clock times; `counts`, the
     requests each level was to run."""
+    if len(report["benchmarks"]) != len(counts):
+        raise RuntimeError(f"guidellm ran {len(report['benchmarks'])} levels, {len(counts)} were asked")
     levels = []
     for bench, planned in zip(report["benchmarks"], counts, strict=True):
         m = bench["metrics"]

@@ -492,18 +492,23 @@ LEVEL_KEYS = (
 )  # fmt: skip
 
 
+def _rate(level: dict[str, Any] | None) -> float | None:
+    """A level's output tokens/s to compare or to set against the bound; none where its time cap cut
+    it (that counts finished requests over the whole window)."""
+    return None if not level or level.get("incomplete") else level.get("output_tokens_per_s")
+
+
 def paired_levels(ours: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
-    """Each level through the project's command beside the engine's own, and their tokens/s ratio;
-    none where a time cap cut either side (it counts finished requests over the whole window)."""
+    """Each level through the project's command beside the engine's own, and their tokens/s ratio
+    (none where a time cap cut either side)."""
     levels = {}
     for c, level in ours.items():
         other = raw.get(c) or {}
-        tps, raw_tps = level.get("output_tokens_per_s"), other.get("output_tokens_per_s")
-        cut = bool(level.get("incomplete") or other.get("incomplete"))
+        tps, raw_tps = _rate(level), _rate(other)
         levels[c] = {
             "project": {k: level.get(k) for k in LEVEL_KEYS},
             "raw": {k: other.get(k) for k in LEVEL_KEYS},
-            "ratio": round(tps / raw_tps, 3) if tps and raw_tps and not cut else None,
+            "ratio": round(tps / raw_tps, 3) if tps and raw_tps else None,
         }
     return levels
 
@@ -606,7 +611,7 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
             continue
         by_level = {lv["concurrency"]: lv for lv in got["runs"][0]["levels"]}
         level, full = by_level.get(1) or {}, by_level.get(top) or {}
-        tps = None if level.get("incomplete") else level.get("output_tokens_per_s")  # cut: not a rate
+        tps = _rate(level)
         rows[name] = {
             "status": "passed",
             "env": env,
@@ -616,14 +621,10 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
             "share_of_bound": round(tps / bound, 3) if tps and bound else None,
             **({"top": {k: full.get(k) for k in ("concurrency", *LEVEL_KEYS)}} if top > 1 else {}),
         }
-
-    def rate(level: dict[str, Any] | None) -> float | None:  # a level its cap cut has none to compare
-        return None if not level or level.get("incomplete") else level.get("output_tokens_per_s")
-
     recorded = rows.get("as recorded") or {}
-    base, base_top = rate(recorded), rate(recorded.get("top"))
+    base, base_top = _rate(recorded), _rate(recorded.get("top"))
     for row in rows.values():
-        tps, tps_top = rate(row), rate(row.get("top"))
+        tps, tps_top = _rate(row), _rate(row.get("top"))
         row["ratio"] = round(tps / base, 3) if tps and base else None
         if "top" in row:
             row["top"]["ratio"] = round(tps_top / base_top, 3) if tps_top and base_top else None
@@ -642,8 +643,7 @@ def with_bounds(got: dict[str, Any], checkpoint: Path, gpu_name: str | None) -> 
     for run in got.get("workloads", []):
         load, c1 = run["workload"], run["levels"].get("1") or {}
         context = load["prompt_tokens"] + load["output_tokens"]
-        tps = None if c1.get("incomplete") else c1.get("output_tokens_per_s")  # a cut level: no share
-        run["decode_bound"] = decode_bound(weights, kv, context, gpu_name, tps).model_dump()
+        run["decode_bound"] = decode_bound(weights, kv, context, gpu_name, _rate(c1)).model_dump()
 
 
 def serve_source(recipe: Path, json_out: Path) -> None:

@@ -255,19 +255,22 @@ def _reasons(c: Candidate, s: Scenario) -> list[str]:
             reasons.append(
                 f"CUT: the level's time cap ended it with {finished} of {level.get('planned') or '?'} "
                 "requests finished; its tokens/s counts only those over the whole window (raise "
-                "serving_benchmark.max_seconds_per_level and rebuild)"
+                "serving_benchmark.max_seconds_per_level and rebuild); ranked after every whole level"
             )
     return reasons
 
 
 def _rank_key(c: Candidate, s: Scenario) -> tuple[float, ...]:
-    """Best first; ties broken by ΔPPL, then size."""
+    """Best first; ties broken by ΔPPL, then size. For speed, a level its time cap cut comes after
+    every whole one: its numbers count only the requests that finished, so they compare with
+    nothing."""
     ppl = c.ppl_delta_pct if c.ppl_delta_pct is not None else float("inf")
     level = _level(c, s) or {}
+    cut = 1.0 if level.get("incomplete") else 0.0
     if s.objective == "throughput":
-        return (-level.get("output_tokens_per_s", 0.0), ppl, c.size_bytes)
+        return (cut, -level.get("output_tokens_per_s", 0.0), ppl, c.size_bytes)
     if s.objective == "latency":
-        return (level.get("ttft_ms_p99", float("inf")), level.get("itl_ms_p99", float("inf")), ppl)
+        return (cut, level.get("ttft_ms_p99", float("inf")), level.get("itl_ms_p99", float("inf")), ppl)
     if s.objective == "size":
         return (c.size_bytes, ppl)
     return (abs(ppl), c.size_bytes)

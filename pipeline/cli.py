@@ -502,6 +502,10 @@ def registry_select(
     concurrency: Annotated[
         int, typer.Option("--concurrency", min=1, help="Where latency and throughput are read.")
     ] = 1,
+    workload: Annotated[
+        str | None,
+        typer.Option("--workload", help="Serving numbers at PROMPT/OUTPUT tokens (default: the first)."),
+    ] = None,
     objective: Annotated[
         str, typer.Option("--objective", help=f"What ranks first: {'|'.join(OBJECTIVES)}.")
     ] = "accuracy",
@@ -519,6 +523,7 @@ def registry_select(
         max_ttft_ms=max_ttft_ms,
         max_itl_ms=max_itl_ms,
         concurrency=concurrency,
+        workload=workload,
         objective=objective,  # type: ignore[arg-type]  # checked by select
     )
     answer = _run(lambda: select(_registry(), scenario))

@@ -36,6 +36,7 @@ class Scenario:
     max_ttft_ms: float | None = None  # p99, at `concurrency`
     max_itl_ms: float | None = None  # p99, at `concurrency`
     concurrency: int = 1
+    workload: str | None = None  # "2048/256": the serving numbers' prompt/output tokens (None: the first)
     objective: Objective = "accuracy"
 
 
@@ -161,8 +162,10 @@ def select(registry: Registry, scenario: Scenario) -> dict[str, Any]:
     if not found:
         scope = f" of model {scenario.model}" if scenario.model else ""
         raise RegistryError(f"no validated artifact{scope} in the registry (try `pipeline registry list`)")
+    shape = _shape(scenario.workload)
     ranked, excluded = [], []
     for c in found:
+        c.serving = _at_workload(c.serving, shape)
         env = ENGINES[c.engine].env if c.engine in ENGINES else None
         c.memory_mib, c.memory_from = _memory(c, env, scenario)
         c.excluded = c.excluded or _exclusion(c, scenario)
@@ -177,6 +180,34 @@ def select(registry: Registry, scenario: Scenario) -> dict[str, Any]:
         "ranked": [c.as_dict() for c in ranked],
         "excluded": [c.as_dict() for c in excluded],
     }
+
+
+def _shape(workload: str | None) -> str | None:
+    """The workload "2048/256" (or "2048x256") as workload_shape spells it; None stays None."""
+    if workload is None:
+        return None
+    prompt, sep, output = workload.replace("x", "/").partition("/")
+    if not (sep and prompt.isdigit() and output.isdigit()):
+        raise RegistryError(f"--workload {workload!r}: expected PROMPT/OUTPUT tokens, e.g. 2048/256")
+    return f"{int(prompt)}/{int(output)}"
+
+
+def _at_workload(serving: dict[str, Any] | None, shape: str | None) -> dict[str, Any] | None:
+    """The serving record with the numbers of workload `shape` in its first workload's place (the
+    recipe's more_workloads ran on the same server after it); a record without that shape says so."""
+    if not serving or shape is None or serving.get("status") != STATUS_PASSED:
+        return serving
+    first = serving.get("workload") or {}
+    if "prompt_tokens" in first and workload_shape(first) == shape:
+        return serving
+    for run in serving.get("more_workloads") or []:
+        if workload_shape(run["workload"]) == shape:
+            picked = {k: run.get(k) for k in ("workload", "status", "reason", "levels", "decode_bound")}
+            return {**serving, **picked, "levels": run.get("levels") or {}}
+    loads = [first, *(run["workload"] for run in serving.get("more_workloads") or [])]
+    measured = [workload_shape(w) for w in loads if "prompt_tokens" in w]
+    return {**serving, "status": "not run", "levels": {},
+            "reason": f"measured at {', '.join(measured) or 'no'} tokens, not {shape}"}  # fmt: skip
 
 
 def _exclusion(c: Candidate, s: Scenario) -> str | None:

@@ -19,6 +19,7 @@ from pipeline.manifest import (
     ServingLevel,
     ServingResult,
     StepRecord,
+    WorkloadRun,
     read_manifest,
     write_manifest,
 )
@@ -201,6 +202,41 @@ def test_a_level_its_time_cap_cut_is_named_in_the_reasons(tmp_path: Path) -> Non
     reasons = {c["target"]: " ".join(c["reasons"]) for c in answer["ranked"]}
     assert "CUT: the level's time cap ended it with 8 of 32 requests finished" in reasons["gguf-q8_0"]
     assert "CUT" not in reasons["gguf-q4_0"]
+
+
+def test_workload_picks_which_shape_s_numbers_rank(tmp_path: Path) -> None:
+    """`--workload 2048/256` reads the recipe's further workload (2026-12-05, H200: every artifact
+    served 512/128 and then 2048/256 on the same server); an artifact without it is excluded."""
+    root = tmp_path / "artifacts"
+    h200 = ("NVIDIA H200", "sm90")
+    long_shape = {"prompt_tokens": 2048, "output_tokens": 256}
+    for target, short_tps, long_tps in (("awq", 4000.0, 900.0), ("gptq", 3000.0, 1500.0), ("fp8", 3500.0, 0)):
+        levels = [_level(32, 50, 8, short_tps)]
+        d = _measured(root, target, "vllm", 1.0, device="NVIDIA H200", levels=levels, served_on=h200)
+        if long_tps:
+            manifest = read_manifest(d)
+            more = WorkloadRun(workload=long_shape, levels={"32": _level(32, 400, 20, long_tps)})
+            manifest.serving["vllm"].more_workloads = [more]
+            write_manifest(d, manifest)
+    reg = Registry(root)
+    reg.rebuild()
+    first = select(reg, Scenario(model="m", gpu_arch="sm90", objective="throughput", concurrency=32))
+    assert _names(first["ranked"]) == ["awq@vllm", "fp8@vllm", "gptq@vllm"]
+    for spelling in ("2048/256", "2048x256"):
+        asked = Scenario(gpu_arch="sm90", objective="throughput", concurrency=32, workload=spelling)
+        long = select(reg, asked)
+        assert _names(long["ranked"]) == ["gptq@vllm", "awq@vllm"]
+        assert "at concurrency 32 of 2048/256 tokens on NVIDIA H200: 1500.0 output tokens/s" in " ".join(
+            long["ranked"][0]["reasons"]
+        )
+        assert long["excluded"][0]["target"] == "fp8"
+        assert "measured at 512/128 tokens, not 2048/256" in long["excluded"][0]["excluded"]
+    with pytest.raises(RegistryError, match="--workload '2048': expected PROMPT/OUTPUT tokens"):
+        select(reg, Scenario(model="m", workload="2048"))
+    argv = ["registry", "select", "--gpu-arch", "sm90", "--objective", "throughput", "--concurrency", "32"]
+    res = CliRunner().invoke(app, [*argv, "--workload", "2048/256"], env={"PIPELINE_ARTIFACTS": str(root)})
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith("1. m/gptq v1 in vllm")
 
 
 def test_a_host_with_fewer_gpus_excludes_what_is_sharded_over_more(

@@ -9,7 +9,8 @@
 #   benchmarks/gpu/run_h200.sh qwen2-7b T R 7B-shaped random checkpoint, targets T of
 #                                           benchmarks/gpu/qwen2-7b-shape.yaml (T=gguf: the Llama-declared one;
 #                                           SHAPE=qwen2.5-32b: the 32B shape, qwen2.5-32b-shape.yaml;
-#                                           SERVING=1: the serving table, qwen2-7b-serving(-llama).yaml,
+#                                           SERVING=1: the serving table, qwen2-7b-serving(-llama).yaml
+#                                           (SOURCE_ROW=first|last|0: where the bf16 source row runs),
 #                                           raw step `serve` for the engines with their defaults,
 #                                           `settings` for one engine setting changed at a time)
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment;
@@ -214,18 +215,24 @@ case "${1:-}" in
     recipe=$WORK/$shape-shape.yaml targets=${2:-modelopt-fp8}
     [ "$arch" = llama ] && [ "$shape" = qwen2-7b ] && recipe=$WORK/qwen2-7b-shape-llama.yaml targets=gguf-q8_0,gguf-q4_0,gguf-iq4_xs
     # SERVING=1: the serving table's recipes (issue 26), the GPU to itself; raw step `serve` adds the
-    # engines called with their defaults; the bf16 source's own row comes first (not for T=gguf)
+    # engines called with their defaults; the bf16 source's own row comes first (not for T=gguf), or
+    # last with SOURCE_ROW=last (the artifacts' rows first where the device time may run out), or not
+    # at all with SOURCE_ROW=0
+    source_row=""
     if [ "${SERVING:-0}" = 1 ]; then
       recipe=$WORK/qwen2-7b-serving.yaml
       if [ "$arch" = llama ] && [ "$shape" = qwen2-7b ]; then
         recipe=$WORK/qwen2-7b-serving-llama.yaml
       else
-        bench serve-source "$recipe" --json "$RESULTS" 2>&1 | tail -c 4000
+        source_row=${SOURCE_ROW:-first}
       fi
     fi
+    serve_source() { bench serve-source "$recipe" --json "$RESULTS" 2>&1 | tail -c 4000; }
+    [ "$source_row" = first ] && serve_source
     bench run "$recipe" --targets "$targets" --model "$shape-shape ($arch)" \
       --raw-steps "${3:-convert,quantize,checkpoint,validate}" \
       --json "$RESULTS" 2>&1 | tee "$OUT/qwen2-7b-${targets//,/_}.log" | tail -c 20000
+    [ "$source_row" = last ] && serve_source
     ;;
   tests)
     # TESTS_K: a pytest -k expression (2026-12-03, fourth run: the whole GPU suite alone took over

@@ -343,7 +343,7 @@ def warm(model_dir: Path, model: str, json_out: Path, attention_backend: str) ->
         write_results(json_out, rows)
 
 
-def run(recipe: Path, targets: list[str], model: str, json_out: Path, raw_ops: set[str]) -> None:
+def run(recipe: Path, targets: list[str], model: str, json_out: Path, raw_ops: list[str]) -> None:
     project = Project.open(recipe)
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
     try:
@@ -358,7 +358,7 @@ def run_targets(
     targets: list[str],
     model: str,
     json_out: Path,
-    raw_ops: set[str],
+    raw_ops: list[str],
     work: Path,
 ) -> None:
     device = _device()
@@ -440,13 +440,14 @@ def run_targets(
                 continue  # the pipeline reused its cached base: nothing to compare with
             raw.append(raw_row(f"{env_name}:{op}", raw_step(env_name, tool, request, work), steps, target))
             write_results(json_out, rows)
-        for row in rows[-len(v["engines"]) :]:
-            if row["primary"] and "serve" in raw_ops:  # beside the engine called with its defaults
-                row["serving"] = serving_rows(project, target, m)
-                write_results(json_out, rows)
-            if row["primary"] and "settings" in raw_ops:  # one engine setting changed at a time
-                row["settings"] = setting_rows(project, target, m)
-                write_results(json_out, rows)
+        primary = next(row for row in rows[-len(v["engines"]) :] if row["primary"])
+        # in the order asked (`settings,serve`: the settings first, where the lease may end mid-way)
+        for op in [op for op in raw_ops if op in ("serve", "settings")]:
+            if op == "serve":  # beside the engine called with its defaults
+                primary["serving"] = serving_rows(project, target, m)
+            else:  # one engine setting changed at a time
+                primary["settings"] = setting_rows(project, target, m)
+            write_results(json_out, rows)
     print(markdown(rows))
 
 
@@ -880,7 +881,7 @@ def main() -> None:
     rn.add_argument(
         "--raw-steps",
         default="convert,quantize,checkpoint,validate",
-        help="pipeline step ops to repeat with the tool alone",
+        help="pipeline step ops to repeat with the tool alone; serve and settings run in the order given",
     )
     ss = sub.add_parser("serve-source")
     ss.add_argument("recipe", type=Path)
@@ -894,7 +895,7 @@ def main() -> None:
         warm(args.model_dir, args.model, args.json, args.attention_backend)
     else:
         targets = [t for t in args.targets.split(",") if t]
-        run(args.recipe, targets, args.model, args.json, set(args.raw_steps.split(",")))
+        run(args.recipe, targets, args.model, args.json, [op for op in args.raw_steps.split(",") if op])
     print(f"finished {datetime.now(UTC).isoformat(timespec='seconds')}")
 
 

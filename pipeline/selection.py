@@ -202,8 +202,8 @@ def _at_workload(serving: dict[str, Any] | None, shape: str | None) -> dict[str,
         return serving
     for run in serving.get("more_workloads") or []:
         if workload_shape(run["workload"]) == shape:
-            picked = {k: run.get(k) for k in ("workload", "status", "reason", "levels", "decode_bound")}
-            return {**serving, **picked, "levels": run.get("levels") or {}}
+            keys = ("workload", "status", "reason", "levels", "decode_bound")  # WorkloadRun's, all dumped
+            return {**serving, **{k: run[k] for k in keys}}
     loads = [first, *(run["workload"] for run in serving.get("more_workloads") or [])]
     measured = [workload_shape(w) for w in loads if "prompt_tokens" in w]
     return {**serving, "status": "not run", "levels": {},

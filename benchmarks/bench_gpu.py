@@ -549,15 +549,15 @@ def serving_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
 
 
 # Engine settings that may close concurrency 1's gap to the bandwidth bound (issue 26: "find it and
-# say what it costs"): each is the project's serve command with that one change, measured at
-# concurrency 1 and the recipe's highest level on the first workload, beside the command as it is
-# in the same run.
+# say what it costs"): each is the project's serve command with that one change, measured at every
+# level of the recipe's first workload, beside the command as it is in the same run.
 # name -> (server environment, extra arguments).
 SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
     "vllm": {
-        # vLLM picks Machete for W4A16 on sm90 (2026-12-05 H100 logs); Marlin is its other kernel
-        "marlin (Machete off)": ({"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"}, []),
-        "async scheduling": ({}, ["--async-scheduling"]),
+        # vLLM picks Machete for W4A16 on sm90; Marlin is its other kernel (the recipe's
+        # serve.vllm.linear_backend). H100, 2026-12-05: +19 % at 1 stream, -37 % at 128. No
+        # --async-scheduling row: vLLM 0.26 has it on by default (its row measured the same server).
+        "marlin": ({}, ["--linear-backend", "marlin"]),
     },
     "sglang": {
         "torch.compile": ({}, ["--enable-torch-compile"]),
@@ -573,19 +573,16 @@ SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
 
 
 def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Concurrency 1 and the recipe's highest level at the first workload through the project's serve
-    command as it is, then with each of its engine's SERVE_SETTINGS: output tokens/s, ITL p50, the
-    share of the bandwidth bound at 1 (the manifest's) and the ratio to the command as it is at both
-    (a setting that helps one stream may cost a full batch: Marlin against Machete)."""
+    """Every level of the first workload through the project's serve command as it is, then with
+    each of its engine's SERVE_SETTINGS: output tokens/s, ITL p50 and the share of the bandwidth
+    bound at 1 (the manifest's), and each level's ratio to the command as it is (a setting that
+    helps one stream may cost a full batch: Marlin against Machete)."""
     engine = manifest["engine"]
     ours = (manifest.get("serving") or {}).get(engine) or {}
     if ours.get("status") != "passed":
         return {"status": ours.get("status", "not run"), "reason": ours.get("reason")}
     bound = (ours.get("decode_bound") or {}).get("bound_tokens_per_s")
-    top = max(project.loaded.recipe.serving_benchmark.concurrency)
-    spec = project.loaded.recipe.serving_benchmark.model_copy(
-        update={"concurrency": sorted({1, top}), "more_workloads": []}
-    )
+    spec = project.loaded.recipe.serving_benchmark.model_copy(update={"more_workloads": []})
     ctx = project.context()
     target_spec = project.loaded.recipe.targets[target]
     artifact = project.layout.target_dir(target)
@@ -611,25 +608,33 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
             rows[name] = {"status": "failed", "reason": str(exc), "env": env, "args": extra}
             continue
         by_level = {lv["concurrency"]: lv for lv in got["runs"][0]["levels"]}
-        level, full = by_level.get(1) or {}, by_level.get(top) or {}
-        tps = _rate(level)
+        one = by_level.get(1) or {}
+        tps = _rate(one)
         rows[name] = {
             "status": "passed",
             "env": env,
             "args": extra,
             "output_tokens_per_s": tps,
-            "itl_ms_p50": level.get("itl_ms_p50"),
+            "itl_ms_p50": one.get("itl_ms_p50"),
             "share_of_bound": round(tps / bound, 3) if tps and bound else None,
-            **({"top": {k: full.get(k) for k in ("concurrency", *LEVEL_KEYS)}} if top > 1 else {}),
+            "levels": {
+                str(c): {k: lv.get(k) for k in ("concurrency", *LEVEL_KEYS)}
+                for c, lv in sorted(by_level.items())
+                if c > 1
+            },
         }
     recorded = rows.get("as recorded") or {}
-    base, base_top = _rate(recorded), _rate(recorded.get("top"))
     for row in rows.values():
-        tps, tps_top = _rate(row), _rate(row.get("top"))
-        row["ratio"] = round(tps / base, 3) if tps and base else None
-        if "top" in row:
-            row["top"]["ratio"] = round(tps_top / base_top, 3) if tps_top and base_top else None
+        row["ratio"] = _ratio(row, recorded)
+        for key, level in (row.get("levels") or {}).items():
+            level["ratio"] = _ratio(level, (recorded.get("levels") or {}).get(key))
     return {"status": "passed", "workload": spec.workload(), "bound_tokens_per_s": bound, "settings": rows}
+
+
+def _ratio(got: dict[str, Any] | None, base: dict[str, Any] | None) -> float | None:
+    """Output tokens/s of `got` over `base` (None where either has none)."""
+    tps, base_tps = _rate(got), _rate(base)
+    return round(tps / base_tps, 3) if tps and base_tps else None
 
 
 def with_bounds(got: dict[str, Any], checkpoint: Path, gpu_name: str | None) -> None:
@@ -724,7 +729,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def settings_markdown(rows: list[dict[str, Any]], num: Any) -> str:
     """Each engine setting tried (SERVE_SETTINGS) beside the command as recorded: at concurrency 1,
-    then at the recipe's highest level."""
+    then at each higher level with its ratio."""
     lines = []
     for r in rows:
         tried = r.get("settings") or {}
@@ -734,25 +739,23 @@ def settings_markdown(rows: list[dict[str, Any]], num: Any) -> str:
             )
         for name, s in (tried.get("settings") or {}).items():
             change = " ".join([*(f"{k}={v}" for k, v in s["env"].items()), *s["args"]]) or "–"
-            top = s.get("top") or {}
-            at_top = (
-                f"{num(top.get('output_tokens_per_s'), '.1f')}{_cut(top)} at {top['concurrency']} | "
-                f"{num(top.get('ratio'), '.3f')}"
-                if top
-                else "– | –"
+            higher = "; ".join(
+                f"{lv['concurrency']}: {num(lv.get('output_tokens_per_s'), '.1f')}{_cut(lv)} "
+                f"({num(lv.get('ratio'), '.3f')})"
+                for lv in (s.get("levels") or {}).values()
             )
             result = (
                 f"{num(s['output_tokens_per_s'], '.1f')} | {num(s['ratio'], '.3f')} | "
-                f"{num(s['itl_ms_p50'], '.2f')} | {num(s['share_of_bound'], '.0%')} | {at_top}"
+                f"{num(s['itl_ms_p50'], '.2f')} | {num(s['share_of_bound'], '.0%')} | {higher or '–'}"
                 if s["status"] == "passed"
-                else f"{s['status']}: {s['reason']} | | | | |"
+                else f"{s['status']}: {s['reason']} | | | |"
             )
             lines.append(f"| {r['target']} | {r.get('engine', '–')} | {name} | `{change}` | {result} |")
     if not lines:
         return ""
     head = (
         "\n| target | engine | setting | change | tok/s at 1 | ratio to as recorded | ITL p50 ms | "
-        "share of bound | tok/s at the top level | ratio there |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "share of bound | higher levels: tok/s (ratio) |\n|---|---|---|---|---|---|---|---|---|\n"
     )
     return head + "\n".join(lines) + "\n"
 

@@ -150,6 +150,11 @@ class VllmServe(Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_num_batched_tokens: int | None = Field(None, ge=16)
     enforce_eager: bool = False  # no CUDA graphs / torch.compile: a faster start, slower decoding
+    # vLLM's --linear-backend: the kernel family of quantized linear layers (None: vLLM's choice,
+    # Machete for W4A16 on sm90). "marlin" on an H100, 2026-12-05, 7B-shaped GPTQ W4A16: +19 %
+    # output tokens/s at 1 stream, -37 % at 128 (benchmarks/results/h100-2026-12-05-serving-run3.md).
+    # Validation scores the artifact with the same backend.
+    linear_backend: Literal["marlin", "machete", "cutlass", "triton", "exllama"] | None = None
 
 
 class SglangServe(Strict):

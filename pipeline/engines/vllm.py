@@ -32,12 +32,18 @@ def serve_argv(serve: ServeSpec, quantization: str | None, dtype: str) -> list[s
     argv += ["--tensor-parallel-size", str(serve.tp_size)] if serve.tp_size > 1 else []
     if knobs.max_num_batched_tokens:
         argv += ["--max-num-batched-tokens", str(knobs.max_num_batched_tokens)]
+    argv += ["--linear-backend", knobs.linear_backend] if knobs.linear_backend else []
     argv += [EAGER_FLAG] if knobs.enforce_eager else []
     return argv
 
 
-def _score(ctx: BuildContext, log: str, model_dir: Path, dtype: str, serve: ServeSpec) -> dict[str, Any]:
+def _score(
+    ctx: BuildContext, log: str, model_dir: Path, dtype: str, serve: ServeSpec, artifact: bool = True
+) -> dict[str, Any]:
+    """The scores of `model_dir` in vLLM; an `artifact`'s with the deploy command's linear backend
+    (the unquantized source has no quantized layer for it to choose)."""
     ref, ref_dir = ctx.reference()
+    backend = serve.vllm.linear_backend if artifact else None
     r = ctx.loaded.recipe
     return ctx.step(
         ENV_VLLM,
@@ -50,6 +56,7 @@ def _score(ctx: BuildContext, log: str, model_dir: Path, dtype: str, serve: Serv
             "max_new_tokens": r.smoke.max_new_tokens,
             "gpu_memory_utilization": serve.vllm.gpu_memory_utilization,
             "tensor_parallel_size": serve.tp_size,
+            **({"linear_backend": backend} if backend else {}),
         },
         log,
         timeout_s=VALIDATE_TIMEOUT_S,
@@ -64,7 +71,7 @@ def engine_reference(ctx: BuildContext, dtype: str, serve: ServeSpec) -> dict[st
 
     def compute(tmp: Path) -> None:
         ctx.reporter.step("reference", "scoring the unquantized source in vLLM")
-        scores = _score(ctx, f"vllm-reference{sharded}", ctx.source.path, dtype, serve)
+        scores = _score(ctx, f"vllm-reference{sharded}", ctx.source.path, dtype, serve, artifact=False)
         (tmp / "scores.json").write_text(json.dumps(scores))
 
     inputs = {"reference": ctx.reference_key(), "dtype": dtype, "toolchain": ctx.versions(ENV_VLLM)}

@@ -84,6 +84,7 @@ class VllmValidate(Scored):
     dtype: str
     gpu_memory_utilization: float
     tensor_parallel_size: int = 1
+    linear_backend: str | None = None  # vLLM's --linear-backend, as the deploy command has it
 
 
 class SglangValidate(Scored):

@@ -128,6 +128,8 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
     # Scoring needs the numbers, not the fastest start: no torch.compile / CUDA graph capture (on a
     # GPU that is minutes per start). The serve check runs the deploy command as it is.
     settings = {"enforce_eager": True, "max_logprobs": TOP_K, "tensor_parallel_size": tp}
+    if req.get("linear_backend"):  # the deploy command's kernel family (recipe serve.vllm)
+        settings["linear_backend"] = req["linear_backend"]
     ref = req["reference"]
     ctx, eval_ids = ref["ctx"], ref["eval_ids"]
     longest = max(len(g["prompt_ids"]) for g in ref["generations"]) + req["max_new_tokens"]

@@ -289,22 +289,27 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
     serving = {"status": "passed", "decode_bound": {"bound_tokens_per_s": 400.0}}
     got = bench.setting_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {"llama.cpp": serving}})
     # one shape at every level, their request counts sent beside it
-    assert [r["workloads"] for r in sent] == [[{**got["workload"], "level_requests": [8, 8]}]] * 2
+    assert [r["workloads"] for r in sent] == [[{**got["workload"], "level_requests": [8, 8]}]] * 3
     assert got["workload"]["concurrency"] == [1, 4] and got["workload"]["prompt_tokens"] == 64
-    recorded, flash = (
+    recorded, flash, again = (
         [a for a, before in zip(r["argv"], [None, *r["argv"]][:-1], strict=True) if before != "--port"]
         for r in sent
     )
     assert flash == [*recorded, "--flash_attn", "true"] and "--n_ctx" in recorded  # each on its own port
+    assert again == recorded and list(got["settings"])[-1] == "as recorded, again"  # the spread, last
     rows = got["settings"]
     assert rows["as recorded"]["ratio"] == 1.0 and rows["as recorded"]["share_of_bound"] == 0.25
+    assert (
+        rows["as recorded, again"]["ratio"] == 1.0
+        and rows["as recorded, again"]["levels"]["4"]["ratio"] == 1.0
+    )
     assert rows["flash attention"]["ratio"] == 1.5 and rows["flash attention"]["share_of_bound"] == 0.375
     assert rows["flash attention"]["levels"]["4"]["ratio"] == 0.8  # faster alone, slower at a full batch
     assert rows["as recorded"]["levels"]["4"]["output_tokens_per_s"] == 250.0
     assert "1" not in rows["as recorded"]["levels"]  # concurrency 1 is the row itself
     assert rows["a variable"]["status"] == "skipped" and "KIT_TEST_VAR" in rows["a variable"]["reason"]
     failed = bench.setting_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {}})
-    assert failed["status"] == "not run" and len(sent) == 2  # no server started for it
+    assert failed["status"] == "not run" and len(sent) == 3  # no server started for it
 
 
 def test_the_raw_side_is_compared_per_workload_and_a_failed_further_workload_says_why(

@@ -206,8 +206,8 @@ def _at_workload(serving: dict[str, Any] | None, shape: str | None) -> dict[str,
             return {**serving, **{k: run[k] for k in keys}}
     loads = [first, *(run["workload"] for run in serving.get("more_workloads") or [])]
     measured = [workload_shape(w) for w in loads if "prompt_tokens" in w]
-    return {**serving, "status": "not run", "levels": {},
-            "reason": f"measured at {', '.join(measured) or 'no'} tokens, not {shape}"}  # fmt: skip
+    said = f"measured at {', '.join(measured)} tokens" if measured else "its serving record names no workload"
+    return {**serving, "status": "not run", "levels": {}, "reason": f"{said}, not {shape}"}
 
 
 def _exclusion(c: Candidate, s: Scenario) -> str | None:

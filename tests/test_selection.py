@@ -237,6 +237,14 @@ def test_workload_picks_which_shape_s_numbers_rank(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, [*argv, "--workload", "2048/256"], env={"PIPELINE_ARTIFACTS": str(root)})
     assert res.exit_code == 0, res.output
     assert res.output.startswith("1. m/gptq v1 in vllm")
+    # a record from before workloads were kept names none: said so, not "measured at no tokens"
+    fp8 = next(d for d in root.rglob("manifest.json") if d.parent.name.startswith("fp8")).parent
+    manifest = read_manifest(fp8)
+    manifest.serving["vllm"].workload = {}
+    write_manifest(fp8, manifest)
+    reg.rebuild()
+    old = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=32, workload="2048/256"))
+    assert "not run: its serving record names no workload, not 2048/256)" in old["excluded"][0]["excluded"]
 
 
 def test_a_host_with_fewer_gpus_excludes_what_is_sharded_over_more(

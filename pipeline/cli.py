@@ -183,7 +183,8 @@ def report(
     ] = None,
 ) -> None:
     """Every built target's validation numbers in one table (and the DVC size-vs-ΔPPL data)."""
-    project = _run(lambda: Project.open(recipe))
+    # the metrics files alone: a recipe built on another host (its source there) reports here too
+    project = _run(lambda: Project.open(recipe, files=False))
     rows = _run(project.report)
     if html is not None:
         page = _run(lambda: write_html(project.loaded.recipe.name, report_rows(rows), html))

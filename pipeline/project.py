@@ -101,10 +101,11 @@ class Project:
     registry: Registry
 
     @classmethod
-    def open(cls, recipe_path: str | Path, root: Path | None = None) -> Project:
+    def open(cls, recipe_path: str | Path, root: Path | None = None, files: bool = True) -> Project:
         """Load and check the recipe (a RecipeError names every problem); artifacts under `root`
-        (default: PIPELINE_ARTIFACTS, else ./artifacts)."""
-        loaded = load_recipe(recipe_path)
+        (default: PIPELINE_ARTIFACTS, else ./artifacts). `files` False: the files it names (source,
+        texts) need not be on this host, for reading what another host built."""
+        loaded = load_recipe(recipe_path, files=files)
         root = root or artifacts_root()
         return cls(loaded, Layout(root, loaded.recipe.name), Registry(root))
 
@@ -373,6 +374,8 @@ class Project:
         # the host's contention while the engines validated (tokens_per_s) and served (each level)
         shares = [s.others_cpu_share for s in manifest.build.steps if s.op == "validate"]
         record["tokens_per_s_others_cpu_share"] = max((x for x in shares if x is not None), default=None)
+        if any(s.peak_gpu_mib is not None for s in manifest.build.steps):  # the report's build host
+            record["host"] = "gpu"  # (a CPU host's records stay as they were: its own directory's)
         for engine, result in manifest.serving.items():
             record[f"serving_{engine}"] = result.status
             record["serving_device"] = result.device  # where it was measured: a GPU's name or cpu

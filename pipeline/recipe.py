@@ -36,9 +36,9 @@ from pipeline.spec import (  # noqa: F401  (the recipe's models, importable from
 from pipeline.texts import HF_PREFIX
 
 
-def load_recipe(path: str | Path) -> LoadedRecipe:
+def load_recipe(path: str | Path, files: bool = True) -> LoadedRecipe:
     """Parse and validate a recipe file: every problem found, in one RecipeError naming the file,
-    each key and why."""
+    each key and why (`files` False: not whether the files it names exist on this host)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -60,7 +60,7 @@ def load_recipe(path: str | Path) -> LoadedRecipe:
     except ValidationError as exc:
         raise RecipeError(f"{path}: {describe_errors(exc)}") from None
     loaded = LoadedRecipe(recipe=recipe, path=path.resolve(), sha256=hashlib.sha256(raw).hexdigest())
-    problems = _file_problems(loaded)
+    problems = _file_problems(loaded) if files else []
     config = source_config(loaded)
     for name, spec in recipe.targets.items():
         problems += [f"targets.{name}.{p}" for p in spec.check(config)]

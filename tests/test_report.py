@@ -229,3 +229,38 @@ def test_a_build_s_metrics_carry_each_workload_s_levels_back_to_the_page(
     [row] = [r for r in report_rows(project.report()) if r.target == "awq"]
     points = [(p.workload, p.concurrency, p.output_tokens_per_s) for p in [*row.serving, *row.more_serving]]
     assert points == [("64/32", 1, 40.0), ("256/8", 1, 30.0), ("256/8", 4, 90.0)]
+
+
+def test_a_gpu_host_s_build_reports_here_without_its_source(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    """A build whose steps ran on a GPU says so in its metrics (`host: gpu`; a CPU host's records
+    stay as they were), and the GPU host's committed metrics (gpu/artifacts/qwen2-7b-serving: the
+    H100's GPTQ, 2026-12-05) report on this host, where the recipe's source checkpoint is not."""
+    from pipeline.manifest import StepRecord, read_manifest
+    from pipeline.project import Project
+    from tests.conftest import write_artifact
+
+    project = Project.open(write_recipe(tiny_recipe_dir / "tiny.yaml", targets=TARGETS))
+    manifest = read_manifest(write_artifact(_isolated_artifacts, "tiny", "awq", "vllm", "awq"))
+    step = StepRecord(env="vllm", op="validate", log="awq", seconds=1.0, peak_rss_mib=100.0)
+    manifest.build.steps = [step]
+    project._write_metrics("awq", manifest, gpu_host=False)
+    assert "host" not in json.loads(project.layout.metrics_path("awq").read_text())
+    manifest.build.steps = [step.model_copy(update={"peak_gpu_mib": 76_000.0})]
+    project._write_metrics("awq", manifest, gpu_host=False)
+    assert [(r["target"], r["host"]) for r in project.report()] == [("awq", "gpu")]
+
+    committed = Path(__file__).resolve().parent.parent / "gpu/artifacts/qwen2-7b-serving/.metrics"
+    metrics = _isolated_artifacts / "qwen2-7b-serving" / ".metrics"
+    metrics.mkdir(parents=True)
+    for f in committed.glob("*.json"):
+        (metrics / f.name).write_bytes(f.read_bytes())
+    recipe = Path(__file__).resolve().parent.parent / "benchmarks/gpu/qwen2-7b-serving.yaml"
+    res = CliRunner().invoke(app, ["report", str(recipe), "--json"])
+    assert res.exit_code == 0, res.output
+    [gptq] = [r for r in json.loads(res.output) if r["target"] == "gptq"]
+    assert gptq["host"] == "gpu" and gptq["serving_device"] == "NVIDIA H100 80GB HBM3"
+    assert gptq["serving_c128_output_tokens_per_s"] > 6000 and gptq["serving_2048x256_c1_itl_ms_p50"] < 5
+    built = CliRunner().invoke(app, ["build", str(recipe)])  # building does need the source here
+    assert built.exit_code != 0 and "source.path" in built.output

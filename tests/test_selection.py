@@ -27,6 +27,8 @@ from pipeline.registry import Registry
 from pipeline.selection import Scenario, select
 from tests.conftest import write_artifact
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def _level(concurrency: int, ttft: float, itl: float, tps: float, rss: float | None = 900) -> ServingLevel:
     return ServingLevel(
@@ -325,3 +327,24 @@ def test_what_a_gpu_served_artifact_needs_grows_with_the_concurrent_requests(tmp
         [q4] = select(reg, Scenario(model="m", gpu_arch="sm90", concurrency=concurrency))["ranked"]
         assert q4["memory_mib"] == pytest.approx(size_mib + concurrency * kv_mib)
         assert q4["memory_from"].startswith(f"weights + 16-bit KV cache of {concurrency} x 640 tokens")
+
+
+def test_select_answers_from_the_gpu_host_s_own_record(tmp_path: Path) -> None:
+    """The 7B-shaped GPTQ manifest as the H100 wrote it (2026-12-05, third device session): the
+    registry reads it here and `select` ranks it by its measured levels at either workload, with
+    the card and the bandwidth bound in its reasons."""
+    collected = ROOT / "benchmarks/results/h100-2026-12-05-serving-run3-gptq-manifest.json"
+    root = tmp_path / "artifacts"
+    for where in (root / "qwen2-7b-serving" / "gptq", root / "qwen2-7b-serving" / ".versions" / "gptq" / "1"):
+        where.mkdir(parents=True)
+        (where / "manifest.json").write_bytes(collected.read_bytes())
+    reg = Registry(root)
+    reg.rebuild()
+    full = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=128))
+    assert _names(full["ranked"]) == ["gptq@vllm"]
+    reasons = " ".join(full["ranked"][0]["reasons"])
+    assert "at concurrency 128 of 512/128 tokens on NVIDIA H100 80GB HBM3: 6602.3 output tokens/s" in reasons
+    single = select(reg, Scenario(gpu_arch="sm90", objective="latency", concurrency=1, workload="2048/256"))
+    assert "31% of its 730 tokens/s bandwidth bound" in " ".join(single["ranked"][0]["reasons"])
+    assert "no SGLang environment" in full["excluded"][0]["excluded"]  # its SGLang verdict was skipped
+    assert not select(reg, Scenario(gpu_arch="sm80", objective="throughput"))["ranked"]  # an sm90 record

@@ -139,8 +139,10 @@ PY
     # the results so far (bench_gpu.py rewrites them after every step), the streams' own logs
     cp /tmp/pipeline-work/h200-*.json "$BG"/build*/qwen2-7b-*.log "$BG"/tests/pytest-gpu.log \
       /tmp/pipeline-work/*.activations.json "$c/" 2>/dev/null
+    # the metrics files (.metrics/: the report page's rows) go to gpu/artifacts/<recipe>/ here
     (cd /tmp/pipeline-work/artifacts 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' \
-      -o -name reference.json -o -name '*.activations.json' | tar -czf "$c/artifacts-bg.tgz" -T - 2>/dev/null)
+      -o -name reference.json -o -name '*.activations.json' -o -path '*/.metrics/*' \
+      | tar -czf "$c/artifacts-bg.tgz" -T - 2>/dev/null)
     # the GPU tests' manifests and step logs: where their time went (steps, engine starts)
     (cd "$TESTS_TMP" 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' | tar -czf "$c/tests-artifacts.tgz" -T - 2>/dev/null)
     tar -C "$c" -czf "$OUT/collect.tgz" .
@@ -248,6 +250,6 @@ case "${1:-}" in
 esac
 [ -f "$RESULTS" ] && cp "$RESULTS" "${RESULTS%.json}.md" "$OUT/"
 # manifests and logs (not the weights) come back as one archive
-(cd "$PIPELINE_ARTIFACTS" 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' -o -name reference.json \
+(cd "$PIPELINE_ARTIFACTS" 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' -o -name reference.json -o -path '*/.metrics/*' \
   | tar -czf "$OUT/artifacts-$1.tgz" -T - 2>/dev/null)
 df -h /tmp | tail -1; nvidia-smi --query-gpu=memory.used,memory.total --format=csv

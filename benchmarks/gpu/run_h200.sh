@@ -21,7 +21,7 @@
 #                                           build stream with T2/R2 if given (other targets of the same
 #                                           recipe: per-target build locks, shared steps wait for each
 #                                           other), and beside them the tests mode; logs under
-#                                           /tmp/pipeline-bg, results h200-DATE-<stream>.json
+#                                           /tmp/pipeline-bg, results <card>-DATE-<stream>.json (h100, h200)
 #                                           (TESTS_FIRST=1: the tests alone first, then the
 #                                           streams; NO_TESTS=1: the streams alone)
 #   benchmarks/gpu/run_h200.sh wait [S]     until `start`'s runs have ended or S seconds (default 570)
@@ -137,7 +137,7 @@ PY
     mkdir -p "$OUT" && c=/tmp/pipeline-collect && rm -rf "$c" && mkdir -p "$c"
     cp "$BG/build.log" "$BG/build2.log" "$BG/tests.log" "$c/" 2>/dev/null
     # the results so far (bench_gpu.py rewrites them after every step), the streams' own logs
-    cp /tmp/pipeline-work/h200-*.json "$BG"/build*/qwen2-7b-*.log "$BG"/tests/pytest-gpu.log \
+    cp /tmp/pipeline-work/[hg][0-9p]*-20*.json "$BG"/build*/qwen2-7b-*.log "$BG"/tests/pytest-gpu.log \
       /tmp/pipeline-work/*.activations.json "$c/" 2>/dev/null
     # the metrics files (.metrics/: the report page's rows) go to gpu/artifacts/<recipe>/ here
     (cd /tmp/pipeline-work/artifacts 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' \
@@ -174,7 +174,9 @@ for env in vllm llmcompressor gptqmodel modelopt sglang guidellm; do
   [ -x "/tmp/pipeline-envs/$env/python" ] && export "PIPELINE_${env^^}_PYTHON=/tmp/pipeline-envs/$env/python"
 done
 [ "${SGLANG:-1}" = 0 ] && unset PIPELINE_SGLANG_PYTHON
-RESULTS=$WORK/h200-$(date -u +%Y-%m-%d)${STREAM:+-$STREAM}.json  # bench_gpu.py adds rows after every step
+# named after the card the lease gave (2026-12-05: a call for nvidia-h200 ran on an H100)
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -oiE 'h[0-9]{3}' | head -n1 | tr 'A-Z' 'a-z')
+RESULTS=$WORK/${card:-gpu}-$(date -u +%Y-%m-%d)${STREAM:+-$STREAM}.json  # bench_gpu.py adds rows after every step
 bench() { timeout -k 10 "$LIMIT_S" python3 benchmarks/bench_gpu.py "$@"; }
 # A step cut off by a limit outlives this call and would hold the GPU. A call's own mode (not a
 # stream `start` left running: NOCLEAN) ends what earlier calls left and, on its way out, its own.

@@ -499,17 +499,22 @@ def _rate(level: dict[str, Any] | None) -> float | None:
     return None if not level or level.get("incomplete") else level.get("output_tokens_per_s")
 
 
+def _ratio(got: dict[str, Any] | None, base: dict[str, Any] | None) -> float | None:
+    """Output tokens/s of `got` over `base` (None where either has none)."""
+    tps, base_tps = _rate(got), _rate(base)
+    return round(tps / base_tps, 3) if tps and base_tps else None
+
+
 def paired_levels(ours: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
     """Each level through the project's command beside the engine's own, and their tokens/s ratio
     (none where a time cap cut either side)."""
     levels = {}
     for c, level in ours.items():
         other = raw.get(c) or {}
-        tps, raw_tps = _rate(level), _rate(other)
         levels[c] = {
             "project": {k: level.get(k) for k in LEVEL_KEYS},
             "raw": {k: other.get(k) for k in LEVEL_KEYS},
-            "ratio": round(tps / raw_tps, 3) if tps and raw_tps else None,
+            "ratio": _ratio(level, other),
         }
     return levels
 
@@ -632,12 +637,6 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
         for key, level in (row.get("levels") or {}).items():
             level["ratio"] = _ratio(level, (recorded.get("levels") or {}).get(key))
     return {"status": "passed", "workload": spec.workload(), "bound_tokens_per_s": bound, "settings": rows}
-
-
-def _ratio(got: dict[str, Any] | None, base: dict[str, Any] | None) -> float | None:
-    """Output tokens/s of `got` over `base` (None where either has none)."""
-    tps, base_tps = _rate(got), _rate(base)
-    return round(tps / base_tps, 3) if tps and base_tps else None
 
 
 def with_bounds(got: dict[str, Any], checkpoint: Path, gpu_name: str | None) -> None:

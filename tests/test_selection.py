@@ -348,3 +348,27 @@ def test_select_answers_from_the_gpu_host_s_own_record(tmp_path: Path) -> None:
     assert "31% of its 730 tokens/s bandwidth bound" in " ".join(single["ranked"][0]["reasons"])
     assert "no SGLang environment" in full["excluded"][0]["excluded"]  # its SGLang verdict was skipped
     assert not select(reg, Scenario(gpu_arch="sm80", objective="throughput"))["ranked"]  # an sm90 record
+
+
+def test_select_picks_between_the_h100_s_gptq_and_fp8_records_by_objective(tmp_path: Path) -> None:
+    """Two manifests the H100 wrote for the same 7B-shaped source (2026-12-05, third and fourth
+    device sessions): ModelOpt FP8 wins throughput at 128 streams, first-token latency at 1 and
+    ΔPPL; the GPTQ W4A16 checkpoint wins size. Each answer names the measured numbers."""
+    root = tmp_path / "artifacts"
+    for target, run in (("gptq", "run3-gptq"), ("modelopt-fp8", "run4-modelopt-fp8")):
+        collected = ROOT / f"benchmarks/results/h100-2026-12-05-serving-{run}-manifest.json"
+        recipe_dir = root / "qwen2-7b-serving"
+        for where in (recipe_dir / target, recipe_dir / ".versions" / target / "1"):
+            where.mkdir(parents=True)
+            (where / "manifest.json").write_bytes(collected.read_bytes())
+    reg = Registry(root)
+    reg.rebuild()
+    fp8_first = ["modelopt-fp8@vllm", "gptq@vllm"]
+    full = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=128))
+    assert _names(full["ranked"]) == fp8_first
+    assert "on NVIDIA H100 80GB HBM3: 9193.5 output tokens/s" in " ".join(full["ranked"][0]["reasons"])
+    single = select(reg, Scenario(gpu_arch="sm90", objective="latency", concurrency=1, workload="2048/256"))
+    assert _names(single["ranked"]) == fp8_first
+    assert "58% of its 432 tokens/s bandwidth bound" in " ".join(single["ranked"][0]["reasons"])
+    assert _names(select(reg, Scenario(gpu_arch="sm90", objective="accuracy"))["ranked"]) == fp8_first
+    assert _names(select(reg, Scenario(gpu_arch="sm90", objective="size"))["ranked"]) == fp8_first[::-1]

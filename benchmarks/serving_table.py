@@ -1,0 +1,205 @@
+"""The serving table (issue 26), one per GPU card, from the GPU kit's results files.
+
+    python benchmarks/serving_table.py benchmarks/results/h*-serving*.json \
+        --out benchmarks/results/serving-table.md
+
+Each artifact the issue asks for is a row per workload: output tokens/s at each concurrency level
+through its own deploy command, its ratio to the engine called directly with its defaults (the 0.95x
+target), TTFT and ITL at one stream, the share of its bandwidth bound, the KV cache its server
+allocated at the reservation it was given. Rows come from `bench_gpu.py run` and `serve-source`;
+for each card the latest file that served an artifact wins (files ordered by date, then run number).
+An engine setting tried beside a command (`settings`) is a row of its own. An artifact no file
+served is listed with the reason its latest row gives, or as never run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+# (target, engine, what it is): the issue's artifacts, in the order the table shows them
+EXPECTED: tuple[tuple[str, str, str], ...] = (
+    ("source (vLLM defaults)", "vllm", "BF16 source, vLLM with its defaults"),
+    ("gptq", "vllm", "GPTQ W4A16 g128 (llm-compressor)"),
+    ("awq", "vllm", "AWQ W4A16 g128 (llm-compressor)"),
+    ("gptq-gptqmodel", "vllm", "GPTQ W4A16 g128 (GPTQModel)"),
+    ("awq-gptqmodel", "vllm", "AWQ W4A16 g128 (GPTQModel)"),
+    ("modelopt-fp8", "vllm", "FP8 (ModelOpt)"),
+    ("gptq", "sglang", "GPTQ W4A16 g128 (llm-compressor)"),
+    ("awq", "sglang", "AWQ W4A16 g128 (llm-compressor)"),
+    ("gguf-q8_0", "llama.cpp", "GGUF Q8_0"),
+    ("gguf-q4_0", "llama.cpp", "GGUF Q4_0"),
+    ("gguf-iq4_xs", "llama.cpp", "GGUF IQ4_XS (imatrix)"),
+)
+LEVELS = ("1", "8", "32", "128")
+RUN = re.compile(r"(\d{4}-\d{2}-\d{2})(?:-serving)?(?:-run(\d+))?")
+
+
+def file_order(path: Path) -> tuple[str, int]:
+    """Date in the name, then its run number (a name without one is the day's first run)."""
+    m = RUN.search(path.name)
+    return (m.group(1), int(m.group(2) or 1)) if m else ("", 0)
+
+
+def load_rows(files: list[Path]) -> list[tuple[Path, dict[str, Any]]]:
+    """Every result row with its file, oldest file first."""
+    rows = []
+    for path in sorted(files, key=file_order):
+        got = json.loads(path.read_text())
+        if isinstance(got, list):  # a results file (a collected manifest is a dict: skipped)
+            rows += [(path, row) for row in got if isinstance(row, dict) and "target" in row]
+    return rows
+
+
+def _num(v: Any, f: str) -> str:
+    return format(v, f) if isinstance(v, int | float) else "–"
+
+
+def _ours(level: dict[str, Any]) -> dict[str, Any]:
+    """The deploy command's side of a level (a serve-source level is the engine's own side)."""
+    return level.get("project") or {} if "raw" in level else level
+
+
+def _mark(level: dict[str, Any]) -> str:
+    """`cut`: a time cap ended it with requests unfinished; `w`: measured over a fixed window,
+    before levels ran whole waves (its numbers count what finished inside the window)."""
+    if "planned" not in level:
+        return " w"
+    return " cut" if level.get("incomplete") else ""
+
+
+def workload_lines(label: str, engine: str, serving: dict[str, Any], source: str) -> list[str]:
+    """One table line per workload of a passed serving record."""
+    kv = serving.get("kv_cache") or {}
+    setting = ", ".join(f"{k} {v}" for k, v in (serving.get("memory_setting") or {}).items())
+    cache = f"{kv['tokens']:,} tokens" + (f" at {setting}" if setting else "") if kv else "–"
+    lines = []
+    for run in serving.get("workloads") or []:
+        load, levels = run["workload"], run.get("levels") or {}
+        rates = []
+        for c in LEVELS:
+            level = levels.get(c)
+            ours = _ours(level or {})
+            rates.append(_num(ours.get("output_tokens_per_s"), ",.1f") + _mark(ours) if level else "–")
+        ratios = [lv["ratio"] for lv in levels.values() if isinstance(lv.get("ratio"), int | float)]
+        ratio = f"{min(ratios):.3f}–{max(ratios):.3f}" if ratios else "–"
+        one = _ours(levels.get("1") or {})
+        bound = run.get("decode_bound") or {}
+        share = (
+            f"{bound['share_c1']:.0%} of {bound['bound_tokens_per_s']:,.0f}"
+            + (" (flagged)" if bound.get("flag") else "")
+            if bound.get("share_c1") is not None
+            else "–"
+        )
+        lines.append(
+            f"| {label} | {engine} | {load['prompt_tokens']}/{load['output_tokens']} | {' | '.join(rates)} | "
+            f"{ratio} | {_num(one.get('ttft_ms_p50'), '.0f')} / {_num(one.get('ttft_ms_p99'), '.0f')} | "
+            f"{_num(one.get('itl_ms_p50'), '.2f')} | {share} | {cache} | {source} |"
+        )
+    return lines
+
+
+def setting_lines(label: str, engine: str, settings: dict[str, Any], source: str) -> list[str]:
+    """One line per engine setting tried: tokens/s per level of the first workload, each with its
+    ratio to the command as recorded."""
+    load = settings.get("workload") or {}
+    shape = f"{load.get('prompt_tokens', '?')}/{load.get('output_tokens', '?')}"
+    lines = []
+    for name, s in (settings.get("settings") or {}).items():
+        if s.get("status") != "passed":
+            lines.append(
+                f"| {label} | {engine} | {name} | {shape} | {s.get('status')}: {s.get('reason')} | | | | |"
+            )
+            continue
+        # concurrency 1 is the row itself (tokens/s none where a cap cut it); the higher levels are
+        # `levels`, or only the top one (`top`) in the sweeps before 2026-12-05's fourth session
+        levels = {"1": {"output_tokens_per_s": s.get("output_tokens_per_s"), "ratio": s.get("ratio")}}
+        levels |= s.get("levels") or ({str(s["top"]["concurrency"]): s["top"]} if s.get("top") else {})
+        cells = [
+            f"{_num(lv.get('output_tokens_per_s'), ',.1f')}{' cut' if lv.get('incomplete') else ''}"
+            f" ({_num(lv.get('ratio'), '.3f')})"
+            if (lv := levels.get(c))
+            else "–"
+            for c in LEVELS
+        ]
+        lines.append(f"| {label} | {engine} | {name} | {shape} | {' | '.join(cells)} | {source} |")
+    return lines
+
+
+def table(files: list[Path]) -> str:
+    """The markdown: one section per card, then what no card has served."""
+    rows = load_rows(files)
+    cards: dict[str, dict[tuple[str, str], tuple[Path, dict[str, Any]]]] = {}
+    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    for path, row in rows:
+        key = (row["target"], row.get("engine", "vllm"))
+        latest[key] = row
+        if (row.get("serving") or {}).get("status") == "passed":
+            cards.setdefault(row.get("device") or "unknown card", {})[key] = (path, row)
+    out = [
+        "# The serving table, measured (issue 26)",
+        "",
+        "Written by `benchmarks/serving_table.py` from the GPU kit's results files; do not edit by hand.",
+        "Output tokens/s per concurrency level through each artifact's own deploy command; `w` marks a",
+        "level measured over a fixed 15 s window (before levels ran whole waves: not comparable), `cut` one",
+        "whose 60 s cap ended it with requests unfinished. Project / raw: the range over the levels of the",
+        "deploy command's tokens/s over the engine called directly with its defaults, same checkpoint,",
+        "same lease. Share of bound: tokens/s at one stream over the memory-bandwidth bound (weights as",
+        "stored plus 16-bit KV at the context, the card's spec bandwidth); below 30 % is flagged.",
+    ]
+    for card, served in sorted(cards.items()):
+        out += ["", f"## {card}", ""]
+        out += [
+            "| artifact | engine | prompt/output | c=1 tok/s | c=8 | c=32 | c=128 | project / raw | "
+            "TTFT p50 / p99 ms at 1 | ITL p50 ms at 1 | share of bound at 1 (tok/s) | KV cache at start | "
+            "from |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        tried = []
+        for target, engine, label in EXPECTED:
+            if (target, engine) in served:
+                path, row = served[(target, engine)]
+                out += workload_lines(label, engine, row["serving"], path.name)
+                if (row.get("settings") or {}).get("status") == "passed":
+                    tried += setting_lines(label, engine, row["settings"], path.name)
+        if tried:
+            out += [
+                "",
+                "Engine settings, one at a time, each its own server (tokens/s, and its ratio to the"
+                " command as recorded):",
+                "",
+                "| artifact | engine | setting | prompt/output | c=1 | c=8 | c=32 | c=128 | from |",
+                "|---|---|---|---|---|---|---|---|---|",
+                *tried,
+            ]
+    missing = [(t, e, label) for t, e, label in EXPECTED if not any((t, e) in s for s in cards.values())]
+    if missing:
+        out += ["", "## Not served on any card yet", ""]
+        for target, engine, label in missing:
+            row = latest.get((target, engine))
+            why = (
+                f"its latest row says {row.get('status')}: {row.get('reason')}"
+                if row and row.get("status") not in (None, "passed")
+                else "no results file holds a serving row for it"
+            )
+            out.append(f"- {label} in {engine} (`{target}`): {why}")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("results", type=Path, nargs="+")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    text = table(args.results)
+    if args.out:
+        args.out.write_text(text)
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()

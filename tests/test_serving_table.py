@@ -1,0 +1,93 @@
+"""The serving table (benchmarks/serving_table.py): one section per card from the GPU kit's results
+files, the latest run winning, cut and windowed levels marked, every artifact no card served listed
+with its reason; the committed table is the one the committed results give."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import serving_table
+
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def _level(tps: float, ratio: float | None = 1.0, incomplete: int = 0) -> dict[str, Any]:
+    side = {"output_tokens_per_s": tps, "ttft_ms_p50": 20.0, "ttft_ms_p99": 40.0, "itl_ms_p50": 4.0,
+            "planned": 32, "incomplete": incomplete, "completed": 32 - incomplete}  # fmt: skip
+    return {"project": side, "raw": dict(side), "ratio": ratio}
+
+
+def _row(target: str, device: str, tps: float, **level: Any) -> dict[str, Any]:
+    levels = {c: _level(tps * int(c), **level) for c in ("1", "8", "32", "128")}
+    workload = {"prompt_tokens": 512, "output_tokens": 128}
+    bound = {"share_c1": 0.25, "bound_tokens_per_s": 4 * tps, "flag": "below 30%"}
+    serving = {
+        "status": "passed",
+        "workloads": [{"workload": workload, "levels": levels, "decode_bound": bound}],
+    }
+    return {"target": target, "engine": "vllm", "device": device, "status": "passed", "serving": serving}
+
+
+def _write(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def test_the_latest_run_of_a_card_wins_and_marks_what_a_cap_cut(tmp_path: Path) -> None:
+    first = _write(tmp_path / "h100-2026-12-05-serving.json", [_row("gptq", "H100", 100.0)])
+    later = _write(
+        tmp_path / "h100-2026-12-05-serving-run2.json", [_row("gptq", "H100", 200.0, incomplete=3)]
+    )
+    other = _write(
+        tmp_path / "h200-2026-12-06-serving.json", [_row("modelopt-fp8", "H200", 300.0, ratio=0.9)]
+    )
+    text = serving_table.table([later, other, first])  # the order named does not matter: the names do
+    gptq = [
+        line for line in text.splitlines() if line.startswith("| GPTQ W4A16 g128 (llm-compressor) | vllm")
+    ]
+    assert len(gptq) == 1 and "| 200.0 cut | 1,600.0 cut |" in gptq[0]  # run2, each level cut
+    assert gptq[0].endswith("| h100-2026-12-05-serving-run2.json |")
+    assert "25% of 800 (flagged)" in gptq[0]
+    assert text.index("## H100") < text.index("## H200")
+    fp8 = next(line for line in text.splitlines() if line.startswith("| FP8 (ModelOpt)"))
+    assert "| 0.900–0.900 |" in fp8
+
+
+def test_an_artifact_no_card_served_names_its_reason(tmp_path: Path) -> None:
+    failed = {"target": "awq", "engine": "vllm", "device": "H100", "status": "failed",
+              "reason": "vllm: the server did not start"}  # fmt: skip
+    path = _write(tmp_path / "h100-2026-12-05-serving.json", [_row("gptq", "H100", 100.0), failed])
+    text = serving_table.table([path])
+    assert (
+        "- AWQ W4A16 g128 (llm-compressor) in vllm (`awq`): its latest row says failed: vllm: the server"
+        in text
+    )
+    assert "- GGUF Q4_0 in llama.cpp (`gguf-q4_0`): no results file holds a serving row for it" in text
+    assert "(`gptq`)" not in text.split("## Not served on any card yet")[1].split("in sglang")[0]
+
+
+def test_a_level_from_before_whole_waves_is_marked_windowed(tmp_path: Path) -> None:
+    row = _row("gptq", "H200", 100.0)
+    for level in row["serving"]["workloads"][0]["levels"].values():
+        del level["project"]["planned"]  # the first H200 session's 15 s windows kept no plan
+    text = serving_table.table([_write(tmp_path / "h200-2026-12-05-serving.json", [row])])
+    assert "| 100.0 w | 800.0 w | 3,200.0 w | 12,800.0 w |" in text
+
+
+def test_the_committed_table_is_what_the_committed_results_give() -> None:
+    """`benchmarks/results/serving-table.md` regenerated: a results file added or changed without
+    the table rewritten fails here."""
+    files = sorted(RESULTS.glob("h*-serving*.json"))
+    got = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "serving_table.py"), *map(str, files)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert got == (RESULTS / "serving-table.md").read_text()
+    assert "| FP8 (ModelOpt) | vllm | 512/128 | 256.2 | 1,758.4 | 4,781.2 | 9,193.5 | 1.003–1.021 |" in got

@@ -440,14 +440,16 @@ def run_targets(
                 continue  # the pipeline reused its cached base: nothing to compare with
             raw.append(raw_row(f"{env_name}:{op}", raw_step(env_name, tool, request, work), steps, target))
             write_results(json_out, rows)
-        primary = next(row for row in rows[-len(v["engines"]) :] if row["primary"])
+        # each engine the build benchmarked (the primary one; every passing one with `engines: all`)
+        served = [row for row in rows[-len(v["engines"]) :] if row["engine"] in (m.get("serving") or {})]
         # in the order asked (`settings,serve`: the settings first, where the lease may end mid-way)
         for op in [op for op in raw_ops if op in ("serve", "settings")]:
-            if op == "serve":  # beside the engine called with its defaults
-                primary["serving"] = serving_rows(project, target, m)
-            else:  # one engine setting changed at a time
-                primary["settings"] = setting_rows(project, target, m)
-            write_results(json_out, rows)
+            for row in served:
+                if op == "serve":  # beside the engine called with its defaults
+                    row["serving"] = serving_rows(project, target, m, row["engine"])
+                else:  # one engine setting changed at a time
+                    row["settings"] = setting_rows(project, target, m, row["engine"])
+                write_results(json_out, rows)
     print(markdown(rows))
 
 
@@ -519,14 +521,19 @@ def paired_levels(ours: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
     return levels
 
 
-def serving_rows(project: Project, target: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    """The artifact's serving benchmark (its manifest) beside its engine called directly, per
-    workload and level: output tokens/s, TTFT and ITL p50, peak GPU memory, the ratio project / raw."""
-    engine = manifest["engine"]
+def _log_stem(target: str, engine: str, manifest: dict[str, Any]) -> str:
+    """A raw step's log name: the target's for its primary engine, with the engine for another."""
+    return target if engine == manifest["engine"] else f"{target}-{engine}"
+
+
+def serving_rows(project: Project, target: str, manifest: dict[str, Any], engine: str) -> dict[str, Any]:
+    """`engine`'s serving benchmark of the artifact (its manifest) beside that engine called
+    directly, per workload and level: output tokens/s, TTFT and ITL p50, peak GPU memory, the ratio
+    project / raw."""
     ours = (manifest.get("serving") or {}).get(engine) or {}
     if ours.get("status") != "passed":
         return {"status": ours.get("status", "not run"), "reason": ours.get("reason")}
-    log = project.layout.logs_dir / f"{target}-raw-serving.log"
+    log = project.layout.logs_dir / f"{_log_stem(target, engine, manifest)}-raw-serving.log"
     raw = raw_serving(project, engine, project.layout.target_dir(target), log)
     raw_runs = raw.get("workloads") or [{} for _ in range(1 + len(ours.get("more_workloads", [])))]
     workloads = []
@@ -577,12 +584,11 @@ SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
 }  # fmt: skip
 
 
-def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Every level of the first workload through the project's serve command as it is, then with
-    each of its engine's SERVE_SETTINGS, then as it is again: output tokens/s, ITL p50 and the share
-    of the bandwidth bound at 1 (the manifest's), and each level's ratio to the command as it is (a
+def setting_rows(project: Project, target: str, manifest: dict[str, Any], engine: str) -> dict[str, Any]:
+    """Every level of the first workload through `engine`'s deploy command as it is, then with each
+    of that engine's SERVE_SETTINGS, then as it is again: output tokens/s, ITL p50 and the share of
+    the bandwidth bound at 1 (the manifest's), and each level's ratio to the command as it is (a
     setting that helps one stream may cost a full batch: Marlin against Machete)."""
-    engine = manifest["engine"]
     ours = (manifest.get("serving") or {}).get(engine) or {}
     if ours.get("status") != "passed":
         return {"status": ours.get("status", "not run"), "reason": ours.get("reason")}
@@ -597,10 +603,12 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any]) -> dic
     # the command as recorded again last: the spread between two servers of one command, and a
     # check that the first server is not favoured by its place (run3: 0.992 at 1, 0.977 at 128)
     tried = {"as recorded": ({}, []), **SERVE_SETTINGS.get(engine, {}), "as recorded, again": ({}, [])}
+    serve_argv = target_spec.other_serve_argvs().get(engine, target_spec.serve_argv)
+    stem = _log_stem(target, engine, manifest)
     for name, (env, extra) in tried.items():
         port = free_port()
-        argv = [*local_argv(target_spec.serve_argv, serve, port), *extra]
-        log = project.layout.logs_dir / f"{target}-setting-{re.sub(r'[^a-z0-9]+', '-', name.lower())}.log"
+        argv = [*local_argv(serve_argv, serve, port), *extra]
+        log = project.layout.logs_dir / f"{stem}-setting-{re.sub(r'[^a-z0-9]+', '-', name.lower())}.log"
         overridden = sorted(k for k, v in env.items() if os.environ.get(k, v) != v)
         if overridden:  # the load generator lets the host's environment win over a server's
             rows[name] = {"status": "skipped", "reason": f"this host's environment sets {overridden}",

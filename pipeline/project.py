@@ -294,7 +294,10 @@ class Project:
             validation = spec.validate(ctx, name, staging)
             _record_preflight(validation, ctx.preflight(name, spec, spec.serving_engines()))
             weights = partial(spec.weights_read_per_token, ctx, name, staging)
-            serving = benchmark(ctx, name, staging, validation, spec.serve_argv, weights_read=weights)
+            serving = benchmark(
+                ctx, name, staging, validation, spec.serve_argv, weights_read=weights,
+                other_argvs=spec.other_serve_argvs(),
+            )  # fmt: skip
             manifest = Manifest(
                 schema=MANIFEST_SCHEMA,
                 recipe=self.loaded.recipe.name,
@@ -378,16 +381,18 @@ class Project:
             record["host"] = "gpu"  # (a CPU host's records stay as they were: its own directory's)
         for engine, result in manifest.serving.items():
             record[f"serving_{engine}"] = result.status
-            record["serving_device"] = result.device  # where it was measured: a GPU's name or cpu
+            # the primary engine's numbers as serving_*, another's (`engines: all`) as serving_<engine>_*
+            head = "serving" if engine == manifest.engine else f"serving_{engine}"
+            record[f"{head}_device"] = result.device  # where it was measured: a GPU's name or cpu
             bound = result.decode_bound
-            record["serving_bound_share_c1"] = bound.share_c1 if bound else None
+            record[f"{head}_bound_share_c1"] = bound.share_c1 if bound else None
             if result.workload:
-                record["serving_workload"] = workload_shape(result.workload)
+                record[f"{head}_workload"] = workload_shape(result.workload)
             for level in result.levels.values():
                 for key in SERVING_METRICS:
-                    record[f"serving_c{level.concurrency}_{key}"] = getattr(level, key)
+                    record[f"{head}_c{level.concurrency}_{key}"] = getattr(level, key)
             for run in result.more_workloads:  # keyed by their shape: serving_2048x256_c8_...
-                prefix = f"serving_{workload_shape(run.workload, 'x')}"
+                prefix = f"{head}_{workload_shape(run.workload, 'x')}"
                 for level in run.levels.values():
                     for key in SERVING_METRICS:
                         record[f"{prefix}_c{level.concurrency}_{key}"] = getattr(level, key)

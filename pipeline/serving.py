@@ -46,25 +46,55 @@ def benchmark(
     serve_argv: ServeArgv,
     port: int | None = None,
     weights_read: Callable[[], int] | None = None,
+    other_argvs: dict[str, ServeArgv] | None = None,
 ) -> dict[str, ServingResult]:
-    """The primary engine's serving benchmark of `artifact` (served by its deploy command,
-    `serve_argv` of the recipe's serve section, on loopback `port`, default a free one), or {}
-    where the recipe turns it off or the artifact did not pass. `weights_read`: the bytes of
-    weights a decoded token reads (the target kind's; default from safetensors headers)."""
+    """The serving benchmark of `artifact`, per engine: the primary engine's through its deploy
+    command (`serve_argv` of the recipe's serve section, on loopback `port`, default a free one)
+    and, with `engines: all`, each other engine of `other_argvs` whose verdict passed, one server
+    after another; {} where the recipe turns it off or the artifact did not pass. `weights_read`:
+    the bytes of weights a decoded token reads (the target kind's; default from safetensors
+    headers)."""
     spec = ctx.loaded.recipe.serving_benchmark
-    engine = validation.engine
     if not spec.benchmarks(name) or validation.status != STATUS_PASSED:
         return {}
+    argvs = {validation.engine: serve_argv}
+    if spec.engines == "all":
+        argvs |= {e: argv for e, argv in (other_argvs or {}).items() if e in validation.engines}
+    bound = _decode_bound(ctx, artifact, weights_read)
+    results = {}
+    for engine, argv in argvs.items():
+        verdict = validation.engines[engine]
+        if verdict.status != STATUS_PASSED:  # never the primary one: the artifact passed
+            why = f"its {engine} verdict is {verdict.status}"
+            why += f": {verdict.reason}" if verdict.reason else ""
+            results[engine] = ServingResult(status="skipped", reason=why)
+            continue
+        # the primary engine's step log keeps its name (`<target>-bench`), another's names its engine
+        log = f"{name}-bench" if engine == validation.engine else f"{name}-{ENGINES[engine].env}-bench"
+        results[engine] = _engine_benchmark(ctx, name, artifact, engine, argv, port, bound, log)
+    return results
+
+
+def _engine_benchmark(
+    ctx: BuildContext,
+    name: str,
+    artifact: Path,
+    engine: str,
+    serve_argv: ServeArgv,
+    port: int | None,
+    bound: Callable[[dict[str, Any], dict[str, ServingLevel]], DecodeBound | None],
+    log: str,
+) -> ServingResult:
+    """One engine's serving benchmark: its server on loopback, every workload and level."""
+    spec = ctx.loaded.recipe.serving_benchmark
     if not ENGINES[engine].benchmarked:
-        return {engine: ServingResult(status="skipped", reason=f"{engine} has no OpenAI server here")}
+        return ServingResult(status="skipped", reason=f"{engine} has no OpenAI server here")
     engine_env = ENGINES[engine].env
     if not environment_exists(ENV_GUIDELLM):
-        return {
-            engine: ServingResult(
-                status="skipped",
-                reason=f"no {ENV_GUIDELLM} environment at {interpreter(ENV_GUIDELLM)} (scripts/setup.sh)",
-            )
-        }
+        return ServingResult(
+            status="skipped",
+            reason=f"no {ENV_GUIDELLM} environment at {interpreter(ENV_GUIDELLM)} (scripts/setup.sh)",
+        )
     tokenizer = tokenizer_dir(ctx, artifact)
     workload = spec.workload()
     shapes = ", ".join(workload_shape(w) for w in spec.workloads())
@@ -81,12 +111,11 @@ def benchmark(
     argv = local_argv(serve_argv, serve, port)
     request = load_request(engine, argv, serve.tp_size, artifact, tokenizer, spec, server_log, port)
     try:
-        got = ctx.step(ENV_GUIDELLM, request, f"{name}-bench", timeout_s=load_timeout_s(spec))
+        got = ctx.step(ENV_GUIDELLM, request, log, timeout_s=load_timeout_s(spec))
     except DiskFullError:
         raise
     except EngineError as exc:
-        return {engine: ServingResult(status="failed", reason=str(exc), workload=workload, **where)}
-    bound = _decode_bound(ctx, artifact, weights_read)
+        return ServingResult(status="failed", reason=str(exc), workload=workload, **where)
     runs = []
     for load, run in zip(spec.workloads(), got["runs"], strict=True):
         if run.get("error"):
@@ -98,19 +127,17 @@ def benchmark(
             WorkloadRun(workload=load, seconds=seconds, levels=levels, decode_bound=bound(load, levels))
         )
     first, *more = runs
-    return {
-        engine: ServingResult(
-            status=STATUS_PASSED,
-            tool=got["tool"],
-            workload=workload,
-            seconds=round(got["seconds"], 2),
-            levels=first.levels,
-            **where,
-            kv_cache=kv_cache_report(engine, server_log.read_text(errors="replace")),
-            decode_bound=first.decode_bound,
-            more_workloads=more,
-        )
-    }
+    return ServingResult(
+        status=STATUS_PASSED,
+        tool=got["tool"],
+        workload=workload,
+        seconds=round(got["seconds"], 2),
+        levels=first.levels,
+        **where,
+        kv_cache=kv_cache_report(engine, server_log.read_text(errors="replace")),
+        decode_bound=first.decode_bound,
+        more_workloads=more,
+    )
 
 
 def tokenizer_dir(ctx: BuildContext, model_dir: Path) -> Path:

@@ -227,6 +227,9 @@ class ServingBenchmarkSpec(Strict):
     `more_workloads: [{prompt_tokens: 2048, output_tokens: 256}]` runs each further shape after the
     first on the same server, at the same levels and bounds; `registry select`, the report's
     artifact table and its plots read the first, the metrics and the report's levels table all.
+    `engines: all` benchmarks each engine whose verdict passed, one server after another (an AWQ or
+    GPTQ checkpoint in vLLM and in SGLang, each through its own deploy command); the default,
+    `primary`, only the target's primary engine (the one `serve.command` is for).
 
     Each level runs whole waves of its concurrency, as vLLM's own benchmark does (a request count,
     not a time window): `requests` rounded up to a multiple of the level, and at least `min_waves`
@@ -246,6 +249,7 @@ class ServingBenchmarkSpec(Strict):
     max_seconds_per_level: float = Field(120, gt=0)  # a cap: a level it cuts is recorded as cut
     seed: int = 0
     more_workloads: list[WorkloadShape] = []
+    engines: Literal["primary", "all"] = "primary"
 
     @field_validator("concurrency")
     @classmethod
@@ -269,7 +273,7 @@ class ServingBenchmarkSpec(Strict):
     def workload(self) -> dict[str, Any]:
         """The first load, as a benchmarked manifest records it: not the choice of targets (so
         benchmarking fewer targets leaves the others' records and hashes alone)."""
-        return self.model_dump(exclude={"enabled", "targets", "more_workloads"})
+        return self.model_dump(exclude={"enabled", "targets", "more_workloads", "engines"})
 
     def workloads(self) -> list[dict[str, Any]]:
         """Every load in the order they run: the first, then each of more_workloads."""
@@ -278,12 +282,13 @@ class ServingBenchmarkSpec(Strict):
 
     def hashed(self) -> dict[str, Any]:
         """What a benchmarked artifact's inputs hash reads: the first load, and the further shapes
-        only where there are some (recipes without them keep the hashes they had)."""
+        and the engines only where a recipe sets them (recipes without keep the hashes they had)."""
         more = [shape.model_dump() for shape in self.more_workloads]
         first = self.workload()
         if self.min_waves == 1:  # the default: recipes that do not set it keep their hashes
             del first["min_waves"]
-        return {"enabled": True, **first, **({"more_workloads": more} if more else {})}
+        every = {"engines": "all"} if self.engines == "all" else {}  # the default: hashes kept
+        return {"enabled": True, **first, **({"more_workloads": more} if more else {}), **every}
 
 
 def level_requests(workload: dict[str, Any]) -> list[int]:

@@ -287,7 +287,9 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
     )
     monkeypatch.setenv("KIT_TEST_VAR", "0")
     serving = {"status": "passed", "decode_bound": {"bound_tokens_per_s": 400.0}}
-    got = bench.setting_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {"llama.cpp": serving}})
+    got = bench.setting_rows(
+        project, "gguf-f16", {"engine": "llama.cpp", "serving": {"llama.cpp": serving}}, "llama.cpp"
+    )
     # one shape at every level, their request counts sent beside it
     assert [r["workloads"] for r in sent] == [[{**got["workload"], "level_requests": [8, 8]}]] * 3
     assert got["workload"]["concurrency"] == [1, 4] and got["workload"]["prompt_tokens"] == 64
@@ -308,7 +310,7 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
     assert rows["as recorded"]["levels"]["4"]["output_tokens_per_s"] == 250.0
     assert "1" not in rows["as recorded"]["levels"]  # concurrency 1 is the row itself
     assert rows["a variable"]["status"] == "skipped" and "KIT_TEST_VAR" in rows["a variable"]["reason"]
-    failed = bench.setting_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {}})
+    failed = bench.setting_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {}}, "llama.cpp")
     assert failed["status"] == "not run" and len(sent) == 3  # no server started for it
 
 
@@ -328,7 +330,9 @@ def test_the_raw_side_is_compared_per_workload_and_a_failed_further_workload_say
         "levels": levels,
         "more_workloads": [{"workload": {"prompt_tokens": 128, "output_tokens": 16}, "levels": levels}],
     }
-    got = bench.serving_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {"llama.cpp": ours}})
+    got = bench.serving_rows(
+        project, "gguf-f16", {"engine": "llama.cpp", "serving": {"llama.cpp": ours}}, "llama.cpp"
+    )
     first, second = got["workloads"]
     assert first["levels"]["1"]["ratio"] == 0.95 and first["levels"]["4"]["ratio"] == 1.04
     assert first["reason"] is None

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import pipeline
 from pipeline import serving
 from pipeline.cli import app
-from pipeline.constants import ENGINE_VLLM, ENV_GUIDELLM, ENV_VLLM, MANIFEST_NAME
+from pipeline.constants import ENGINE_SGLANG, ENGINE_VLLM, ENV_GUIDELLM, ENV_VLLM, MANIFEST_NAME
 from pipeline.engines import sglang, vllm
 from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv, command_line, serve_check
 from pipeline.environments import environment, run_step
@@ -281,6 +281,7 @@ def test_vllm_validates_and_serves_at_tensor_parallel_size_two_on_cpu(
             "requests": 2,
             "max_seconds_per_level": 60,
             "more_workloads": [{"prompt_tokens": 32, "output_tokens": 4}],
+            "engines": "all",  # SGLang's verdict (skipped here: CUDA-only) gets a skipped record
         },
         targets={"awq": AWQ},
     )
@@ -300,9 +301,17 @@ def test_vllm_validates_and_serves_at_tensor_parallel_size_two_on_cpu(
     assert "VLLM_CPU_OMP_THREADS_BIND" in got.details["engine_env"]
     if not environment(ENV_GUIDELLM).exists:
         pytest.skip("no guidellm environment (scripts/setup.sh)")
-    validation = Validation(engine=ENGINE_VLLM, status="passed", engines={ENGINE_VLLM: got})
+    sglang_verdict = sglang.validate(ctx, "tiny", tiny_llama, None, "bfloat16", gates)
+    assert sglang_verdict.status == "skipped"
+    engines = {ENGINE_VLLM: got, ENGINE_SGLANG: sglang_verdict}
+    validation = Validation(engine=ENGINE_VLLM, status="passed", engines=engines)
     bench = serving.benchmark(
-        ctx, "tiny", tiny_llama, validation, lambda s: vllm.serve_argv(s, None, "bfloat16")
+        ctx, "tiny", tiny_llama, validation, lambda s: vllm.serve_argv(s, None, "bfloat16"),
+        other_argvs={ENGINE_SGLANG: lambda s: sglang.serve_argv(s, None, "bfloat16")},
+    )  # fmt: skip
+    assert bench[ENGINE_SGLANG].status == "skipped"
+    assert (bench[ENGINE_SGLANG].reason or "").startswith(
+        "its sglang verdict is skipped: no SGLang environment"
     )
     result = bench[ENGINE_VLLM]
     assert result.status == "passed", result.reason

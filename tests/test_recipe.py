@@ -108,6 +108,12 @@ def test_more_workloads_run_after_the_first_and_only_they_move_the_inputs_hash(t
     waves = {**first, "min_waves": 4}  # set, it moves the hash; left at 1, it is not hashed (above)
     four = load_recipe(write_recipe(tmp_path / "four.yaml", serving_benchmark=waves)).recipe.serving_benchmark
     assert four.hashed() == {**one.hashed(), "min_waves": 4}
+    every = {**first, "engines": "all"}  # each engine with a passing verdict: it moves the hash
+    both = load_recipe(write_recipe(tmp_path / "both.yaml", serving_benchmark=every)).recipe.serving_benchmark
+    assert both.hashed() == {**one.hashed(), "engines": "all"} and both.workload() == one.workload()
+    assert "serving_benchmark.engines: Input should be 'primary' or 'all'" in _error(
+        tmp_path, serving_benchmark={**first, "engines": ["sglang"]}
+    )
     again = {**first, "more_workloads": [{"prompt_tokens": 512, "output_tokens": 128}]}
     assert "more_workloads repeats the shape (prompt, output) (512, 128)" in _error(
         tmp_path, serving_benchmark=again

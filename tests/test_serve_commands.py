@@ -189,3 +189,48 @@ def test_the_recipes_tp_size_shards_only_what_vllm_or_sglang_serve() -> None:
     fp8 = KINDS["modelopt"].model_validate({"kind": "modelopt", "quant": "fp8", "gates": TOP_K_KL})
     argv = fp8.serve_argv(fp8.serve_spec(two))
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+
+
+def test_engines_all_benchmarks_each_engine_that_passed_through_its_own_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serving_benchmark.engines: all` on an AWQ target: the vLLM command (the manifest's) and
+    SGLang's own, the one its serve check runs; an engine whose verdict did not pass gets a skipped
+    record naming that verdict, and the primary engine's result is unchanged by the other's. No
+    engine starts here: the load generator's environment is missing, which is recorded too."""
+    from pipeline.manifest import EngineVerdict, Validation
+    from pipeline.project import Project
+    from pipeline.serving import benchmark
+    from tests.conftest import empty_checkpoint, write_recipe
+
+    empty_checkpoint(tmp_path / "model")
+    awq = KINDS["awq"].model_validate({"kind": "awq", "gates": TOP_K_KL})
+    others = awq.other_serve_argvs()
+    assert list(others) == ["sglang"]
+    assert command_line(others["sglang"](ServeSpec())) == command_line(
+        sglang.serve_argv(ServeSpec(), awq.sglang_quantization, awq.dtype)
+    )
+    assert (
+        KINDS["gguf"].model_validate({"kind": "gguf", "quant": "Q8_0", "gates": FULL_KL}).other_serve_argvs()
+        == {}
+    )
+    monkeypatch.setenv("PIPELINE_GUIDELLM_PYTHON", str(tmp_path / "no-guidellm" / "python"))
+    sglang_skipped = EngineVerdict(status="skipped", reason="no SGLang environment")
+    validation = Validation(
+        engine="vllm",
+        status="passed",
+        engines={"vllm": EngineVerdict(status="passed"), "sglang": sglang_skipped},
+    )
+    load = {"enabled": True, "concurrency": [1]}
+    for engines, expected in (("primary", ["vllm"]), ("all", ["vllm", "sglang"])):
+        recipe = write_recipe(tmp_path / f"{engines}.yaml", serving_benchmark={**load, "engines": engines},
+                              targets={"awq": {"kind": "awq", "gates": TOP_K_KL}})  # fmt: skip
+        ctx = Project.open(recipe).context()
+        got = benchmark(ctx, "awq", tmp_path / "model", validation, awq.serve_argv, other_argvs=others)
+        assert list(got) == expected
+        assert got["vllm"].status == "skipped" and "no guidellm environment" in (got["vllm"].reason or "")
+    assert got["sglang"].reason == "its sglang verdict is skipped: no SGLang environment"
+    failed = validation.model_copy(
+        update={"status": "failed", "engines": {"vllm": EngineVerdict(status="failed")}}
+    )
+    assert benchmark(ctx, "awq", tmp_path / "model", failed, awq.serve_argv, other_argvs=others) == {}

@@ -15,7 +15,7 @@ from pipeline.artifacts import Layout
 from pipeline.constants import ENGINES, GPU_ARCHS, KLD_GATES
 from pipeline.context import BuildContext
 from pipeline.decode_bound import checkpoint_weights_read
-from pipeline.engines.serving import command_line
+from pipeline.engines.serving import ServeArgv, command_line
 from pipeline.manifest import Validation
 from pipeline.spec import KINDS, ServeSpec, TargetSpec
 
@@ -48,6 +48,12 @@ class Target(TargetSpec, ABC):
     def serving_engines(self) -> tuple[str, ...]:
         """Every engine that gives this artifact a verdict (the primary one first)."""
         return (self.primary_engine(),)
+
+    def other_serve_argvs(self) -> dict[str, ServeArgv]:
+        """The deploy command of each serving engine but the primary one (whose command is
+        serve_argv, the manifest's serve.command): what the serving benchmark runs with
+        `engines: all`. None by default."""
+        return {}
 
     def recorded_environments(self) -> tuple[str, ...]:
         """Environments whose versions decide the bytes and the numbers (the manifest's toolchain)."""

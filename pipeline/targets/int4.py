@@ -9,6 +9,7 @@ benchmarks/bench_quantizers.py compares the two backends on the same calibration
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -24,6 +25,7 @@ from pipeline.constants import (
 )
 from pipeline.context import BuildContext
 from pipeline.engines import sglang, vllm
+from pipeline.engines.serving import ServeArgv
 from pipeline.environments import environment_exists
 from pipeline.hashing import file_sha256
 from pipeline.manifest import Validation
@@ -178,6 +180,11 @@ class Int4Target(Target):
 
     def serve_argv(self, serve: ServeSpec) -> list[str]:
         return vllm.serve_argv(serve, self.quantization, self.dtype)
+
+    def other_serve_argvs(self) -> dict[str, ServeArgv]:
+        """SGLang's deploy command, the one its serve check runs."""
+        argv = partial(sglang.serve_argv, quantization=self.sglang_quantization, dtype=self.dtype)
+        return {ENGINE_SGLANG: argv}
 
 
 @register

@@ -18,9 +18,13 @@ from pipeline.artifacts import write_text_atomic
 from pipeline.constants import CONTENDED_SHARE, SERVING_METRICS
 from pipeline.errors import PipelineError
 
-SERVING_KEY = re.compile(  # the first workload's, or a further one's (its prompt x output tokens)
-    rf"^serving_(?:(\d+x\d+)_)?c(\d+)_({'|'.join(SERVING_METRICS)})$"
-)
+
+def serving_key(head: str) -> re.Pattern[str]:
+    """A serving level's metrics key under `head` (`serving`: the primary engine's; `serving_sglang`:
+    another engine's): the first workload's, or a further one's (its prompt x output tokens)."""
+    return re.compile(rf"^{re.escape(head)}_(?:(\d+x\d+)_)?c(\d+)_({'|'.join(SERVING_METRICS)})$")
+
+
 # Chart ids in the page; a test counts each chart's marks by them.
 SIZE_CHART, SERVING_CHART = "size-vs-ppl", "throughput-vs-ttft"
 
@@ -65,12 +69,18 @@ class ReportRow:
     bound_share_c1: float | None = None  # concurrency 1's share of the bandwidth bound
 
     @classmethod
-    def from_metrics(cls, record: dict[str, Any]) -> ReportRow:
+    def from_metrics(cls, record: dict[str, Any], engine: str | None = None) -> ReportRow:
+        """The primary engine's row, or (`engine`) another engine's that the serving benchmark
+        measured too (`engines: all`): its verdict and serving numbers, no quality columns (the
+        metrics hold the primary verdict's)."""
+        primary = engine is None or engine == record.get("engine")
+        head = "serving" if primary else f"serving_{engine}"
+        key = serving_key(head)
         levels: dict[tuple[str | None, int], dict[str, float]] = {}
-        for key, value in record.items():
-            if (m := SERVING_KEY.match(key)) is not None:
+        for name, value in record.items():
+            if (m := key.match(name)) is not None:
                 levels.setdefault((m[1], int(m[2])), {})[m[3]] = value
-        first = record.get("serving_workload")
+        first = record.get(f"{head}_workload")
 
         def points(further: bool) -> list[ServingPoint]:
             """The first workload's levels, or the further ones' (by prompt, output, concurrency)."""
@@ -78,24 +88,26 @@ class ReportRow:
             keys.sort(key=lambda k: ([int(n) for n in k[0].split("x")] if k[0] else [], k[1]))
             return [ServingPoint(c, w.replace("x", "/") if w else first, **levels[(w, c)]) for w, c in keys]
 
+        quality = record if primary else {}
+        engine = record.get("engine") if primary else engine
         return cls(
             target=record["target"],
-            engine=record.get("engine") or "-",
+            engine=engine or "-",
             quant=record.get("quant") or "-",
-            status=record.get("status"),
+            status=record.get("status") if primary else (record.get("verdicts") or {}).get(engine),
             host=record.get("host") or "cpu",
             size_mib=record.get("size_mib"),
-            ppl_delta_pct=record.get("ppl_delta_pct"),
-            kld_mean=record.get("kld_mean"),
-            kld_topk_mean=record.get("kld_topk_mean"),
-            token_agreement=record.get("token_agreement"),
-            tokens_per_s=record.get("tokens_per_s"),
-            tokens_per_s_others_cpu_share=record.get("tokens_per_s_others_cpu_share"),
-            serving_status=record.get(f"serving_{record.get('engine')}"),
+            ppl_delta_pct=quality.get("ppl_delta_pct"),
+            kld_mean=quality.get("kld_mean"),
+            kld_topk_mean=quality.get("kld_topk_mean"),
+            token_agreement=quality.get("token_agreement"),
+            tokens_per_s=quality.get("tokens_per_s"),
+            tokens_per_s_others_cpu_share=quality.get("tokens_per_s_others_cpu_share"),
+            serving_status=record.get(f"serving_{engine}"),
             serving=points(further=False),
             more_serving=points(further=True),
-            serving_device=record.get("serving_device"),
-            bound_share_c1=record.get("serving_bound_share_c1"),
+            serving_device=record.get(f"{head}_device"),
+            bound_share_c1=record.get(f"{head}_bound_share_c1"),
         )
 
     @property
@@ -113,7 +125,13 @@ class ReportRow:
 
 
 def report_rows(records: list[dict[str, Any]]) -> list[ReportRow]:
-    return [ReportRow.from_metrics(r) for r in records]
+    """A row per target, and one more per other engine its serving benchmark measured."""
+    rows = []
+    for record in records:
+        rows.append(ReportRow.from_metrics(record))
+        others = [e for e in record.get("verdicts") or {} if e != record.get("engine")]
+        rows += [ReportRow.from_metrics(record, e) for e in others if record.get(f"serving_{e}_workload")]
+    return rows
 
 
 def write_html(recipe: str, rows: list[ReportRow], path: Path) -> Path:

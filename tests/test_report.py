@@ -230,13 +230,21 @@ def test_a_build_s_metrics_carry_each_workload_s_levels_back_to_the_page(
     points = [(p.workload, p.concurrency, p.output_tokens_per_s) for p in [*row.serving, *row.more_serving]]
     assert points == [("64/32", 1, 40.0), ("256/8", 1, 30.0), ("256/8", 4, 90.0)]
     # `engines: all`: another engine's numbers sit beside the primary one's, never over them
-    sglang = ServingResult(status="passed", device="NVIDIA H100 80GB HBM3", levels={"1": level(1, 55.0)})
+    sglang = ServingResult(status="passed", device="NVIDIA H100 80GB HBM3", levels={"1": level(1, 55.0)},
+                           workload={"prompt_tokens": 64, "output_tokens": 32})  # fmt: skip
     manifest.serving |= {"sglang": sglang}
+    manifest.validation.engines["sglang"] = manifest.validation.engines["vllm"]  # its verdict passed too
     project._write_metrics("awq", manifest, gpu_host=False)
     record = json.loads(project.layout.metrics_path("awq").read_text())
     assert record["serving_c1_output_tokens_per_s"] == 40.0 and record["serving_device"] is None
     assert record["serving_sglang_c1_output_tokens_per_s"] == 55.0
     assert record["serving_sglang_device"] == "NVIDIA H100 80GB HBM3" and record["serving_sglang"] == "passed"
+    # the page: a row for each engine, the other one's with its own verdict and levels, no quality columns
+    vllm_row, sglang_row = [r for r in report_rows(project.report()) if r.target == "awq"]
+    assert (vllm_row.engine, [p.output_tokens_per_s for p in vllm_row.serving]) == ("vllm", [40.0])
+    assert (sglang_row.engine, sglang_row.status, sglang_row.serving_status) == ("sglang", "passed", "passed")
+    assert [(p.workload, p.output_tokens_per_s) for p in sglang_row.serving] == [("64/32", 55.0)]
+    assert sglang_row.ppl_delta_pct is None and sglang_row.measured_on == "NVIDIA H100 80GB HBM3"
 
 
 def test_a_gpu_host_s_build_reports_here_without_its_source(

@@ -52,7 +52,7 @@ class Target(TargetSpec, ABC):
     def other_serve_argvs(self) -> dict[str, ServeArgv]:
         """The deploy command of each serving engine but the primary one (whose command is
         serve_argv, the manifest's serve.command): what the serving benchmark runs with
-        `engines: all`. None by default."""
+        `engines: all`. Empty by default."""
         return {}
 
     def recorded_environments(self) -> tuple[str, ...]:

@@ -441,7 +441,9 @@ def run_targets(
             raw.append(raw_row(f"{env_name}:{op}", raw_step(env_name, tool, request, work), steps, target))
             write_results(json_out, rows)
         # each engine the build benchmarked (the primary one; every passing one with `engines: all`)
-        served = [row for row in rows[-len(v["engines"]) :] if row["engine"] in (m.get("serving") or {})]
+        # (the primary row always: where nothing was benchmarked, its record says why)
+        mine = rows[-len(v["engines"]) :]
+        served = [row for row in mine if row["primary"] or row["engine"] in (m.get("serving") or {})]
         # in the order asked (`settings,serve`: the settings first, where the lease may end mid-way)
         for op in [op for op in raw_ops if op in ("serve", "settings")]:
             for row in served:
@@ -603,7 +605,9 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any], engine
     # the command as recorded again last: the spread between two servers of one command, and a
     # check that the first server is not favoured by its place (run3: 0.992 at 1, 0.977 at 128)
     tried = {"as recorded": ({}, []), **SERVE_SETTINGS.get(engine, {}), "as recorded, again": ({}, [])}
-    serve_argv = target_spec.other_serve_argvs().get(engine, target_spec.serve_argv)
+    serve_argv = (
+        target_spec.serve_argv if engine == manifest["engine"] else target_spec.other_serve_argvs()[engine]
+    )
     stem = _log_stem(target, engine, manifest)
     for name, (env, extra) in tried.items():
         port = free_port()

@@ -128,13 +128,26 @@ def setting_lines(label: str, engine: str, settings: dict[str, Any], source: str
     return lines
 
 
+def _why_not(row: dict[str, Any] | None) -> str:
+    """Why an artifact has no serving numbers, from its latest row: its build or verdict, else its
+    serving record."""
+    if row is None:
+        return "no results file holds a row for it"
+    if row.get("status") not in (None, "passed"):
+        return f"its latest row says {row['status']}: {row.get('reason')}"
+    serving = row.get("serving") or {}
+    if serving:
+        return f"its latest serving record says {serving.get('status')}: {serving.get('reason')}"
+    return "its latest row passed but holds no serving record"
+
+
 def table(files: list[Path]) -> str:
     """The markdown: one section per card, then what no card has served."""
     rows = load_rows(files)
     cards: dict[str, dict[tuple[str, str], tuple[Path, dict[str, Any]]]] = {}
     latest: dict[tuple[str, str], dict[str, Any]] = {}
     for path, row in rows:
-        key = (row["target"], row.get("engine", "vllm"))
+        key = (row["target"], row.get("engine"))  # none: a build that never reached an engine
         latest[key] = row
         if (row.get("serving") or {}).get("status") == "passed":
             cards.setdefault(row.get("device") or "unknown card", {})[key] = (path, row)
@@ -178,12 +191,7 @@ def table(files: list[Path]) -> str:
     if missing:
         out += ["", "## Not served on any card yet", ""]
         for target, engine, label in missing:
-            row = latest.get((target, engine))
-            why = (
-                f"its latest row says {row.get('status')}: {row.get('reason')}"
-                if row and row.get("status") not in (None, "passed")
-                else "no results file holds a serving row for it"
-            )
+            why = _why_not(latest.get((target, engine)) or latest.get((target, None)))
             out.append(f"- {label} in {engine} (`{target}`): {why}")
     return "\n".join(out) + "\n"
 

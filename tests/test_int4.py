@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import pipeline
 from pipeline import serving
 from pipeline.cli import app
-from pipeline.constants import ENGINE_SGLANG, ENGINE_VLLM, ENV_GUIDELLM, ENV_VLLM, MANIFEST_NAME
+from pipeline.constants import ENGINE_SGLANG, ENGINE_VLLM, ENV_GUIDELLM, ENV_SGLANG, ENV_VLLM, MANIFEST_NAME
 from pipeline.engines import sglang, vllm
 from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv, command_line, serve_check
 from pipeline.environments import environment, run_step
@@ -301,6 +301,8 @@ def test_vllm_validates_and_serves_at_tensor_parallel_size_two_on_cpu(
     assert "VLLM_CPU_OMP_THREADS_BIND" in got.details["engine_env"]
     if not environment(ENV_GUIDELLM).exists:
         pytest.skip("no guidellm environment (scripts/setup.sh)")
+    if environment(ENV_SGLANG).exists:  # a GPU host's: its real verdict and benchmark are the GPU tests'
+        pytest.skip("an SGLang environment exists here: this test is the CPU host's")
     sglang_verdict = sglang.validate(ctx, "tiny", tiny_llama, None, "bfloat16", gates)
     assert sglang_verdict.status == "skipped"
     engines = {ENGINE_VLLM: got, ENGINE_SGLANG: sglang_verdict}

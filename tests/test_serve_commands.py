@@ -198,6 +198,7 @@ def test_engines_all_benchmarks_each_engine_that_passed_through_its_own_command(
     SGLang's own, the one its serve check runs; an engine whose verdict did not pass gets a skipped
     record naming that verdict, and the primary engine's result is unchanged by the other's. No
     engine starts here: the load generator's environment is missing, which is recorded too."""
+    from pipeline.errors import EngineError
     from pipeline.manifest import EngineVerdict, Validation
     from pipeline.project import Project
     from pipeline.serving import benchmark
@@ -230,6 +231,37 @@ def test_engines_all_benchmarks_each_engine_that_passed_through_its_own_command(
         assert list(got) == expected
         assert got["vllm"].status == "skipped" and "no guidellm environment" in (got["vllm"].reason or "")
     assert got["sglang"].reason == "its sglang verdict is skipped: no SGLang environment"
+    # both verdicts passed: each engine's own command, python and step log reach the load generator
+    # (the step is recorded and refused here; SGLang is CUDA-only), and the bandwidth bound, which
+    # reads the weights (a GGUF's through a recorded llama.cpp step), is never computed for a
+    # benchmark that did not run
+    monkeypatch.setenv("PIPELINE_GUIDELLM_PYTHON", sys.executable)
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")  # the load generator's (never read here)
+    both = validation.model_copy(
+        update={"engines": {e: EngineVerdict(status="passed") for e in ("vllm", "sglang")}}
+    )
+    asked: list[tuple[str, str, str]] = []
+
+    def refuse(env: str, request: dict, log: str, timeout_s: float) -> dict:
+        asked.append((request["python"], " ".join(request["argv"]), log))
+        raise EngineError(f"{log}: not run here")
+
+    reads: list[int] = []
+
+    def weights_read() -> int:
+        reads.append(1)
+        return 1
+
+    monkeypatch.setattr(ctx, "step", refuse)
+    got = benchmark(ctx, "awq", tmp_path / "model", both, awq.serve_argv, weights_read=weights_read,
+                    other_argvs=others)  # fmt: skip
+    assert [(e, r.status, r.reason) for e, r in got.items()] == [
+        ("vllm", "failed", "awq-bench: not run here"), ("sglang", "failed", "awq-sglang-bench: not run here"),
+    ]  # fmt: skip
+    (vllm_python, vllm_argv, _), (sglang_python, sglang_argv, _) = asked
+    assert vllm_argv.startswith("python -m vllm.entrypoints.openai.api_server") and "vllm" in vllm_python
+    assert sglang_argv.startswith("python -m sglang.launch_server") and "sglang" in sglang_python
+    assert "--port" in sglang_argv and "127.0.0.1" in sglang_argv and not reads
     failed = validation.model_copy(
         update={"status": "failed", "engines": {"vllm": EngineVerdict(status="failed")}}
     )

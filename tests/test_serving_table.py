@@ -63,13 +63,24 @@ def test_the_latest_run_of_a_card_wins_and_marks_what_a_cap_cut(tmp_path: Path) 
 def test_an_artifact_no_card_served_names_its_reason(tmp_path: Path) -> None:
     failed = {"target": "awq", "engine": "vllm", "device": "H100", "status": "failed",
               "reason": "vllm: the server did not start"}  # fmt: skip
-    path = _write(tmp_path / "h100-2026-12-05-serving.json", [_row("gptq", "H100", 100.0), failed])
-    text = serving_table.table([path])
+    not_ready = {"status": "failed", "reason": "the server did not become ready in 600 s"}
+    sglang = {
+        "target": "gptq",
+        "engine": "sglang",
+        "device": "H100",
+        "status": "passed",
+        "serving": not_ready,
+    }
+    crashed = {"target": "gguf-q8_0", "model": "m", "status": "error", "reason": "pipeline build exited 1"}
+    rows = [_row("gptq", "H100", 100.0), failed, sglang, crashed]  # a build error names no engine
+    text = serving_table.table([_write(tmp_path / "h100-2026-12-05-serving.json", rows)])
+    awq = "- AWQ W4A16 g128 (llm-compressor) in vllm (`awq`): its latest row says failed: vllm: the server"
+    assert awq in text
+    assert "- GGUF Q4_0 in llama.cpp (`gguf-q4_0`): no results file holds a row for it" in text
+    assert "(`gguf-q8_0`): its latest row says error: pipeline build exited 1" in text
     assert (
-        "- AWQ W4A16 g128 (llm-compressor) in vllm (`awq`): its latest row says failed: vllm: the server"
-        in text
+        "in sglang (`gptq`): its latest serving record says failed: the server did not become ready" in text
     )
-    assert "- GGUF Q4_0 in llama.cpp (`gguf-q4_0`): no results file holds a serving row for it" in text
     assert "(`gptq`)" not in text.split("## Not served on any card yet")[1].split("in sglang")[0]
 
 

@@ -267,8 +267,16 @@ KLD_GATES = {"kld_mean": "max_kld_mean", "kld_topk_mean": "max_kld_topk_mean"}
 CONTENDED_SHARE = 0.25
 
 # What the DVC metrics file and the report carry of each serving benchmark level:
-# `serving_c<concurrency>_<metric>`, a further workload's `serving_<prompt>x<output>_c<concurrency>_<metric>`.
+# `serving_c<concurrency>_<metric>`, a further workload's `serving_<prompt>x<output>_c<concurrency>_<metric>`;
+# another engine than the primary one (`engines: all`) under `serving_<engine>_` (serving_metrics_head).
 SERVING_METRICS = (
     "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s", "peak_rss_mib",
     "peak_gpu_mib", "others_cpu_share", "incomplete",
 )  # fmt: skip
+
+
+def serving_metrics_head(engine: str, primary: str | None) -> str:
+    """Where `engine`'s serving numbers sit in a target's metrics file: the primary engine's as
+    `serving_*` (the keys the report read before other engines were benchmarked), another's as
+    `serving_<engine>_*`."""
+    return "serving" if engine == primary else f"serving_{engine}"

@@ -31,6 +31,7 @@ from pipeline.constants import (
     SERVING_METRICS,
     STATUS_PASSED,
     STATUS_UNAVAILABLE,
+    serving_metrics_head,
 )
 from pipeline.context import BuildContext, NullReporter, Reporter
 from pipeline.environments import environment_exists
@@ -381,8 +382,7 @@ class Project:
             record["host"] = "gpu"  # (a CPU host's records stay as they were: its own directory's)
         for engine, result in manifest.serving.items():
             record[f"serving_{engine}"] = result.status
-            # the primary engine's numbers as serving_*, another's (`engines: all`) as serving_<engine>_*
-            head = "serving" if engine == manifest.engine else f"serving_{engine}"
+            head = serving_metrics_head(engine, manifest.engine)
             record[f"{head}_device"] = result.device  # where it was measured: a GPU's name or cpu
             bound = result.decode_bound
             record[f"{head}_bound_share_c1"] = bound.share_c1 if bound else None

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import write_text_atomic
-from pipeline.constants import CONTENDED_SHARE, SERVING_METRICS
+from pipeline.constants import CONTENDED_SHARE, SERVING_METRICS, serving_metrics_head
 from pipeline.errors import PipelineError
 
 
@@ -74,7 +74,7 @@ class ReportRow:
         measured too (`engines: all`): its verdict and serving numbers, no quality columns (the
         metrics hold the primary verdict's)."""
         primary = engine is None or engine == record.get("engine")
-        head = "serving" if primary else f"serving_{engine}"
+        head = serving_metrics_head(record.get("engine") if primary else engine, record.get("engine"))
         key = serving_key(head)
         levels: dict[tuple[str | None, int], dict[str, float]] = {}
         for name, value in record.items():
@@ -129,8 +129,13 @@ def report_rows(records: list[dict[str, Any]]) -> list[ReportRow]:
     rows = []
     for record in records:
         rows.append(ReportRow.from_metrics(record))
-        others = [e for e in record.get("verdicts") or {} if e != record.get("engine")]
-        rows += [ReportRow.from_metrics(record, e) for e in others if record.get(f"serving_{e}_workload")]
+        primary = record.get("engine")
+        others = [e for e in record.get("verdicts") or {} if e != primary]
+        rows += [
+            ReportRow.from_metrics(record, e)
+            for e in others
+            if record.get(f"{serving_metrics_head(e, primary)}_workload")
+        ]
     return rows
 
 

@@ -61,9 +61,7 @@ def benchmark(
     argvs = {validation.engine: serve_argv}
     if spec.engines == "all":
         argvs |= {e: argv for e, argv in (other_argvs or {}).items() if e in validation.engines}
-    # the bound reads the weights (a GGUF's through a recorded llama.cpp step) once, and only after
-    # a benchmark ran: a record without one has no such step
-    bound = cache(lambda: _decode_bound(ctx, artifact, weights_read))
+    bound = _decode_bound(ctx, artifact, weights_read)
     results = {}
     for engine, argv in argvs.items():
         verdict = validation.engines[engine]
@@ -85,7 +83,7 @@ def _engine_benchmark(
     engine: str,
     serve_argv: ServeArgv,
     port: int | None,
-    bound: Callable[[], Callable[[dict[str, Any], dict[str, ServingLevel]], DecodeBound | None]],
+    bound: Callable[[dict[str, Any], dict[str, ServingLevel]], DecodeBound | None],
     log: str,
 ) -> ServingResult:
     """One engine's serving benchmark: its server on loopback, every workload and level."""
@@ -119,7 +117,6 @@ def _engine_benchmark(
         raise
     except EngineError as exc:
         return ServingResult(status="failed", reason=str(exc), workload=workload, **where)
-    bound_of = bound()
     runs = []
     for load, run in zip(spec.workloads(), got["runs"], strict=True):
         if run.get("error"):
@@ -128,7 +125,7 @@ def _engine_benchmark(
         levels = {str(lv["concurrency"]): ServingLevel(**lv) for lv in run["levels"]}
         seconds = round(run["seconds"], 2)
         runs.append(
-            WorkloadRun(workload=load, seconds=seconds, levels=levels, decode_bound=bound_of(load, levels))
+            WorkloadRun(workload=load, seconds=seconds, levels=levels, decode_bound=bound(load, levels))
         )
     first, *more = runs
     return ServingResult(
@@ -213,23 +210,27 @@ def _decode_bound(
     ctx: BuildContext, artifact: Path, weights_read: Callable[[], int] | None
 ) -> Callable[[dict[str, Any], dict[str, ServingLevel]], DecodeBound | None]:
     """Batch-1 decoding's bandwidth bound on this host's GPU (pipeline.decode_bound) for a workload
-    and its concurrency-1 level: the weights and the model's shape are read once, and where they
-    cannot be read every bound is None."""
-    config = artifact / "config.json"
-    config = config if config.is_file() else ctx.source.path / "config.json"
-    try:
-        weights = weights_read() if weights_read else checkpoint_weights_read(artifact)
-        kv = kv_bytes_per_context_token(json.loads(config.read_text()))
-    except (OSError, ValueError, KeyError, EngineError):
-        weights = 0
-    gpu = local_gpu_name()
+    and its concurrency-1 level. The weights and the model's shape are read once, at the first
+    bound asked for (a GGUF's through a recorded llama.cpp step: a record whose benchmark never ran
+    has no such step); where they cannot be read every bound is None."""
+
+    @cache
+    def shape() -> tuple[int, int]:  # (weights read per token, KV bytes per context token)
+        config = artifact / "config.json"
+        config = config if config.is_file() else ctx.source.path / "config.json"
+        try:
+            weights = weights_read() if weights_read else checkpoint_weights_read(artifact)
+            return weights, kv_bytes_per_context_token(json.loads(config.read_text()))
+        except (OSError, ValueError, KeyError, EngineError):
+            return 0, 0
 
     def bound(workload: dict[str, Any], levels: dict[str, ServingLevel]) -> DecodeBound | None:
-        c1 = levels.get("1")
+        weights, kv = shape()
         if not weights:
             return None
+        c1 = levels.get("1")
         context = workload["prompt_tokens"] + workload["output_tokens"]
         measured = c1.output_tokens_per_s if c1 and not c1.cut else None  # a cut level is no rate
-        return decode_bound(weights, kv, context, gpu, measured)
+        return decode_bound(weights, kv, context, local_gpu_name(), measured)
 
     return bound

@@ -444,15 +444,23 @@ def run_targets(
         # (the primary row always: where nothing was benchmarked, its record says why)
         mine = rows[-len(v["engines"]) :]
         served = [row for row in mine if row["primary"] or row["engine"] in (m.get("serving") or {})]
-        # in the order asked (`settings,serve`: the settings first, where the lease may end mid-way)
-        for op in [op for op in raw_ops if op in ("serve", "settings")]:
-            for row in served:
+        # in the order asked (`settings,serve`: the settings first, where the lease may end mid-way;
+        # `serve:sglang,serve:vllm`: one engine's, then the other's)
+        for op, engine in [serving_op(op) for op in raw_ops if serving_op(op)[0]]:
+            for row in [row for row in served if engine in (None, row["engine"])]:
                 if op == "serve":  # beside the engine called with its defaults
                     row["serving"] = serving_rows(project, target, m, row["engine"])
                 else:  # one engine setting changed at a time
                     row["settings"] = setting_rows(project, target, m, row["engine"])
                 write_results(json_out, rows)
     print(markdown(rows))
+
+
+def serving_op(op: str) -> tuple[str | None, str | None]:
+    """A raw step `serve` or `settings` (every benchmarked engine) or `serve:ENGINE` (that engine's
+    only) as (op, engine); (None, None) for any other step."""
+    name, _, engine = op.partition(":")
+    return (name, engine or None) if name in ("serve", "settings") else (None, None)
 
 
 # The engines called directly with their defaults, on the same checkpoint and workload as the
@@ -898,7 +906,8 @@ def main() -> None:
     rn.add_argument(
         "--raw-steps",
         default="convert,quantize,checkpoint,validate",
-        help="pipeline step ops to repeat with the tool alone; serve and settings run in the order given",
+        help="pipeline step ops to repeat with the tool alone; serve and settings (serve:ENGINE: that "
+        "engine's only) run in the order given",
     )
     ss = sub.add_parser("serve-source")
     ss.add_argument("recipe", type=Path)

@@ -337,3 +337,15 @@ def test_the_raw_side_is_compared_per_workload_and_a_failed_further_workload_say
     assert first["levels"]["1"]["ratio"] == 0.95 and first["levels"]["4"]["ratio"] == 1.04
     assert first["reason"] is None
     assert second["levels"]["1"]["ratio"] is None and "out of memory" in second["reason"]
+
+
+def test_a_raw_serving_step_may_name_its_engine() -> None:
+    """`serve:sglang` runs that engine's raw server only (its place in the list is its turn);
+    `serve` and `settings` run every benchmarked engine's; build steps are not serving steps."""
+    import benchmarks.bench_gpu as bench
+
+    assert bench.serving_op("serve") == ("serve", None)
+    assert bench.serving_op("serve:sglang") == ("serve", "sglang")
+    assert bench.serving_op("settings:vllm") == ("settings", "vllm")
+    assert bench.serving_op("quantize") == (None, None)
+    assert bench.serving_op("validate:sglang") == (None, None)

@@ -11,7 +11,8 @@
 #                                           SHAPE=qwen2.5-32b: the 32B shape, qwen2.5-32b-shape.yaml;
 #                                           SERVING=1: the serving table, qwen2-7b-serving(-llama).yaml
 #                                           (SOURCE_ROW=first|last|0: where the bf16 source row runs),
-#                                           raw step `serve` for the engines with their defaults,
+#                                           raw step `serve` for the engines with their defaults
+#                                           (`serve:sglang`: that engine's only, in the order given),
 #                                           `settings` for one engine setting changed at a time)
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment;
 #                                           TESTS_K: only the tests a -k expression selects; TESTS:

@@ -9,13 +9,16 @@ same environment, same session) under the same sampler, and the ratio project/ra
     python benchmarks/bench_gpu.py make-checkpoint DIR --arch qwen2|llama --tokenizer SRC [--shape S]
     python benchmarks/bench_gpu.py run RECIPE --targets awq,gptq --model NAME --json OUT.json
     python benchmarks/bench_gpu.py warm MODEL_DIR --model NAME --json OUT.json
+    python benchmarks/bench_gpu.py close OUT.json --manifests M.json... --reason WHY
 
 `make-checkpoint` writes a known model's shapes (`--shape`: qwen2-7b, the default, qwen2.5-32b or
 llama2-70b; pipeline.constants.KNOWN_HUB_CONFIGS) with random bfloat16 weights, initialised on the
 GPU (several GPUs, whole layers each, for a model one cannot hold) at a scale that keeps float16
 activations in range (`scaled_init`, checked by a float16 forward pass), and SRC's tokenizer;
 `--arch llama` declares the same shapes as a Llama (llama.cpp's converter refuses SmolLM2's
-tokenizer under Qwen2: "BPE pre-tokenizer was not recognized").
+tokenizer under Qwen2: "BPE pre-tokenizer was not recognized"). `close`, here on collected files,
+gives a run the lease ended after its manifests but before its raw `serve` step their serving rows:
+the project's side from each manifest, the raw side `not run` with the reason.
 """
 
 from __future__ import annotations
@@ -544,7 +547,12 @@ def serving_rows(project: Project, target: str, manifest: dict[str, Any], engine
     if ours.get("status") != "passed":
         return {"status": ours.get("status", "not run"), "reason": ours.get("reason")}
     log = project.layout.logs_dir / f"{_log_stem(target, engine, manifest)}-raw-serving.log"
-    raw = raw_serving(project, engine, project.layout.target_dir(target), log)
+    return serving_record(ours, raw_serving(project, engine, project.layout.target_dir(target), log))
+
+
+def serving_record(ours: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """The project's passed serving record (a manifest's `serving.<engine>`) beside the raw side
+    (raw_serving's result, or a `not run` one with its reason), per workload and level."""
     raw_runs = raw.get("workloads") or [{} for _ in range(1 + len(ours.get("more_workloads", [])))]
     workloads = []
     for run, raw_run in zip([ours, *ours.get("more_workloads", [])], raw_runs, strict=True):
@@ -570,6 +578,27 @@ def serving_rows(project: Project, target: str, manifest: dict[str, Any], engine
     }
 
 
+def close_rows(json_out: Path, manifests: list[Path], reason: str) -> None:
+    """A run the lease ended before its raw `serve` step finished: each engine row of a target
+    whose manifest was collected, and that has no serving record yet, gets the project's side from
+    that manifest and a raw side `not run` with `reason` (nothing measured is made up)."""
+    rows = json.loads(json_out.read_text())
+    by_target = {}
+    for path in manifests:
+        manifest = json.loads(path.read_text())
+        by_target[manifest["target"]] = manifest
+    for row in rows:
+        manifest = by_target.get(row.get("target"))
+        if manifest is None or row.get("serving") is not None or "engine" not in row:
+            continue
+        ours = (manifest.get("serving") or {}).get(row["engine"]) or {}
+        if ours.get("status") == "passed":
+            row["serving"] = serving_record(ours, {"status": "not run", "reason": reason})
+        else:
+            row["serving"] = {"status": ours.get("status", "not run"), "reason": ours.get("reason")}
+    write_results(json_out, rows)
+
+
 # Engine settings that may close concurrency 1's gap to the bandwidth bound (issue 26: "find it and
 # say what it costs"): each is the project's serve command with that one change, measured at every
 # level of the recipe's first workload, beside the command as it is in the same run.
@@ -583,6 +612,10 @@ SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
     },
     "sglang": {
         "torch.compile": ({}, ["--enable-torch-compile"]),
+        # the deploy command's Triton attention against FlashInfer's (carried with the sglang set):
+        # H100, 2026-12-05, AWQ at 512/128 and 128 streams: SGLang's TTFT p50 was 2.1x vLLM's (2,889
+        # against 1,360 ms), its ITL p50 1.4x (11.7 against 8.5 ms), its tokens/s 0.56x
+        "flashinfer attention": ({}, ["--attention-backend", "flashinfer"]),
     },
     "llama.cpp": {
         "flash attention": ({}, ["--flash_attn", "true"]),
@@ -912,8 +945,15 @@ def main() -> None:
     ss = sub.add_parser("serve-source")
     ss.add_argument("recipe", type=Path)
     ss.add_argument("--json", type=Path, required=True)
+    cl = sub.add_parser("close", help="a run the lease ended: project sides from collected manifests")
+    cl.add_argument("json", type=Path)
+    cl.add_argument("--manifests", type=Path, nargs="+", required=True)
+    cl.add_argument("--reason", required=True, help="why the raw side was not run")
     args = parser.parse_args()
-    if args.cmd == "serve-source":
+    if args.cmd == "close":
+        close_rows(args.json, args.manifests, args.reason)
+        print(markdown(json.loads(args.json.read_text())))
+    elif args.cmd == "serve-source":
         serve_source(args.recipe, args.json)
     elif args.cmd == "make-checkpoint":
         make_checkpoint(args.out, args.arch, args.tokenizer, args.shape)

@@ -85,6 +85,8 @@ def workload_lines(label: str, engine: str, serving: dict[str, Any], source: str
             rates.append(_num(ours.get("output_tokens_per_s"), ",.1f") + _mark(ours) if level else "–")
         ratios = [lv["ratio"] for lv in levels.values() if isinstance(lv.get("ratio"), int | float)]
         ratio = f"{min(ratios):.3f}–{max(ratios):.3f}" if ratios else "–"
+        if not ratios and serving.get("raw_status") not in (None, "passed"):  # `close`: the lease ended
+            ratio = f"raw {serving['raw_status']}"
         one = _ours(levels.get("1") or {})
         bound = run.get("decode_bound") or {}
         share = (

@@ -349,3 +349,35 @@ def test_a_raw_serving_step_may_name_its_engine() -> None:
     assert bench.serving_op("settings:vllm") == ("settings", "vllm")
     assert bench.serving_op("quantize") == (None, None)
     assert bench.serving_op("validate:sglang") == (None, None)
+
+
+def test_a_run_the_lease_ended_gets_its_project_side_and_a_raw_side_not_run(tmp_path: Path) -> None:
+    """`close`: a benchmarked engine's row takes the project's levels from the collected manifest
+    and no ratio; an engine whose benchmark did not pass keeps its record; another target's row and
+    a row that already has a serving record are left as they are."""
+    import benchmarks.bench_gpu as bench
+
+    level = {"concurrency": 1, "output_tokens_per_s": 230.0, "ttft_ms_p50": 28.0, "itl_ms_p50": 4.1,
+             "planned": 32, "completed": 32, "incomplete": 0}  # fmt: skip
+    passed = {"status": "passed", "workload": {"prompt_tokens": 512, "output_tokens": 128},
+              "levels": {"1": level}, "device": "H100", "kv_cache": {"tokens": 9}}  # fmt: skip
+    skipped = {"status": "skipped", "reason": "sglang: failed"}
+    manifest = {"target": "awq", "engine": "vllm", "serving": {"vllm": passed, "sglang": skipped}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    kept = {"status": "passed", "workloads": []}
+    base = {"model": "m", "status": "passed", "device": "H100", "primary": True}
+    rows = [{**base, "target": "awq", "engine": "vllm"}, {**base, "target": "awq", "engine": "sglang"},
+            {**base, "target": "gptq", "engine": "vllm"}, {**base, "target": "awq", "engine": "llama.cpp",
+            "serving": kept}]  # fmt: skip
+    results = tmp_path / "run.json"
+    results.write_text(json.dumps(rows))
+    bench.close_rows(results, [tmp_path / "manifest.json"], "the lease ended")
+    vllm, sglang, gptq, llama = json.loads(results.read_text())
+    record = vllm["serving"]
+    assert (record["status"], record["raw_status"]) == ("passed", "not run")
+    assert record["raw_reason"] == "the lease ended"
+    one = record["workloads"][0]["levels"]["1"]
+    assert one["project"]["output_tokens_per_s"] == 230.0 and one["ratio"] is None
+    assert one["raw"]["output_tokens_per_s"] is None
+    assert sglang["serving"] == skipped
+    assert "serving" not in gptq and llama["serving"] == kept

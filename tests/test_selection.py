@@ -372,3 +372,24 @@ def test_select_picks_between_the_h100_s_gptq_and_fp8_records_by_objective(tmp_p
     assert "58% of its 432 tokens/s bandwidth bound" in " ".join(single["ranked"][0]["reasons"])
     assert _names(select(reg, Scenario(gpu_arch="sm90", objective="accuracy"))["ranked"]) == fp8_first
     assert _names(select(reg, Scenario(gpu_arch="sm90", objective="size"))["ranked"]) == fp8_first[::-1]
+
+
+def test_select_ranks_sglang_s_serving_numbers_beside_vllm_s(tmp_path: Path) -> None:
+    """The H100's AWQ manifest (2026-12-05, fifth device session) holds a serving record per engine:
+    SGLang's deploy command wins one stream (269.6 against vLLM's 230.7 tokens/s) and comes last at
+    128 streams (3750.9); `select` ranks each (target, engine) by its own engine's numbers."""
+    root = tmp_path / "artifacts"
+    for target, run in (("gptq", "run3-gptq"), ("modelopt-fp8", "run4-modelopt-fp8"), ("awq", "run5-awq")):
+        collected = ROOT / f"benchmarks/results/h100-2026-12-05-serving-{run}-manifest.json"
+        recipe_dir = root / "qwen2-7b-serving"
+        for where in (recipe_dir / target, recipe_dir / ".versions" / target / "1"):
+            where.mkdir(parents=True)
+            (where / "manifest.json").write_bytes(collected.read_bytes())
+    reg = Registry(root)
+    reg.rebuild()
+    one = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=1))
+    assert _names(one["ranked"]) == ["awq@sglang", "modelopt-fp8@vllm", "gptq@vllm", "awq@vllm"]
+    assert "269.6 output tokens/s" in " ".join(one["ranked"][0]["reasons"])
+    full = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=128))
+    assert _names(full["ranked"]) == ["modelopt-fp8@vllm", "awq@vllm", "gptq@vllm", "awq@sglang"]
+    assert "3750.9 output tokens/s" in " ".join(full["ranked"][-1]["reasons"])

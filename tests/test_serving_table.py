@@ -102,3 +102,11 @@ def test_the_committed_table_is_what_the_committed_results_give() -> None:
     ).stdout  # fmt: skip
     assert got == (RESULTS / "serving-table.md").read_text()
     assert "| FP8 (ModelOpt) | vllm | 512/128 | 256.2 | 1,758.4 | 4,781.2 | 9,193.5 | 1.003–1.021 |" in got
+
+
+def test_a_raw_side_the_lease_did_not_reach_says_so(tmp_path: Path) -> None:
+    row = _row("awq", "H100", 100.0, ratio=None)
+    row["serving"] |= {"raw_status": "not run", "raw_reason": "the lease ended"}
+    text = serving_table.table([_write(tmp_path / "h100-2026-12-05-serving.json", [row])])
+    awq = next(line for line in text.splitlines() if line.startswith("| AWQ W4A16 g128 (llm-compressor)"))
+    assert "| 100.0 | 800.0 | 3,200.0 | 12,800.0 | raw not run |" in awq

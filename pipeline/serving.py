@@ -52,15 +52,17 @@ def benchmark(
     """The serving benchmark of `artifact`, per engine: the primary engine's through its deploy
     command (`serve_argv` of the recipe's serve section, on loopback `port`, default a free one)
     and, with `engines: all`, each other engine of `other_argvs` whose verdict passed, one server
-    after another; {} where the recipe turns it off or the artifact did not pass. `weights_read`:
-    the bytes of weights a decoded token reads (the target kind's; default from safetensors
-    headers)."""
+    after another (a list of engines: those it names); {} where the recipe turns it off, the
+    artifact did not pass or none of the engines named serves it. `weights_read`: the bytes of
+    weights a decoded token reads (the target kind's; default from safetensors headers)."""
     spec = ctx.loaded.recipe.serving_benchmark
     if not spec.benchmarks(name) or validation.status != STATUS_PASSED:
         return {}
-    argvs = {validation.engine: serve_argv}
-    if spec.engines == "all":
-        argvs |= {e: argv for e, argv in (other_argvs or {}).items() if e in validation.engines}
+    every = {validation.engine: serve_argv}
+    every |= {e: argv for e, argv in (other_argvs or {}).items() if e in validation.engines}
+    argvs = {e: every[e] for e in spec.engines_of(validation.engine, list(every)[1:])}
+    if not argvs:  # a list of engines none of which serves this target
+        return {}
     bound = _decode_bound(ctx, artifact, weights_read)
     results = {}
     for engine, argv in argvs.items():

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.artifacts import cache_root
-from pipeline.constants import BUILTIN_TEXTS, STEP_LIMITS_S
+from pipeline.constants import BUILTIN_TEXTS, ENGINES, STEP_LIMITS_S
 from pipeline.texts import HF_PREFIX, dataset_text, parse_hf_ref
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -229,7 +229,9 @@ class ServingBenchmarkSpec(Strict):
     artifact table and its plots read the first, the metrics and the report's levels table all.
     `engines: all` benchmarks each engine whose verdict passed, one server after another (an AWQ or
     GPTQ checkpoint in vLLM and in SGLang, each through its own deploy command); the default,
-    `primary`, only the target's primary engine (the one `serve.command` is for).
+    `primary`, only the target's primary engine (the one `serve.command` is for); a list, such as
+    `[sglang]`, the engines it names, in its order, of those that serve the target (a target none
+    of them serves gets no benchmark).
 
     Each level runs whole waves of its concurrency, as vLLM's own benchmark does (a request count,
     not a time window): `requests` rounded up to a multiple of the level, and at least `min_waves`
@@ -249,7 +251,21 @@ class ServingBenchmarkSpec(Strict):
     max_seconds_per_level: float = Field(120, gt=0)  # a cap: a level it cuts is recorded as cut
     seed: int = 0
     more_workloads: list[WorkloadShape] = []
-    engines: Literal["primary", "all"] = "primary"
+    engines: Literal["primary", "all"] | list[str] = "primary"
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _known_engines(cls, value: Any) -> Any:
+        if value in ("primary", "all"):
+            return value
+        listed = value if isinstance(value, list) else [value]
+        unknown = [e for e in listed if not (isinstance(e, str) and e in ENGINES)]
+        if unknown or not value or len(set(value)) != len(value):
+            raise ValueError(
+                f"engines is primary, all or a list of distinct engine names of {sorted(ENGINES)}"
+                + (f", not {unknown[0]!r}" if unknown else "")
+            )
+        return value
 
     @field_validator("concurrency")
     @classmethod
@@ -270,6 +286,15 @@ class ServingBenchmarkSpec(Strict):
         """Whether `target`'s passing artifact gets the benchmark."""
         return self.enabled and (self.targets is None or target in self.targets)
 
+    def engines_of(self, primary: str, others: list[str]) -> list[str]:
+        """Which of a target's engines are benchmarked, in order: its primary one and `others`
+        (the engines of its other deploy commands)."""
+        if self.engines == "primary":
+            return [primary]
+        if self.engines == "all":
+            return [primary, *others]
+        return [e for e in self.engines if e == primary or e in others]
+
     def workload(self) -> dict[str, Any]:
         """The first load, as a benchmarked manifest records it: not the choice of targets (so
         benchmarking fewer targets leaves the others' records and hashes alone)."""
@@ -287,7 +312,7 @@ class ServingBenchmarkSpec(Strict):
         first = self.workload()
         if self.min_waves == 1:  # the default: recipes that do not set it keep their hashes
             del first["min_waves"]
-        every = {"engines": "all"} if self.engines == "all" else {}  # the default: hashes kept
+        every = {"engines": self.engines} if self.engines != "primary" else {}  # the default: hashes kept
         return {"enabled": True, **first, **({"more_workloads": more} if more else {}), **every}
 
 

@@ -111,9 +111,25 @@ def test_more_workloads_run_after_the_first_and_only_they_move_the_inputs_hash(t
     every = {**first, "engines": "all"}  # each engine with a passing verdict: it moves the hash
     both = load_recipe(write_recipe(tmp_path / "both.yaml", serving_benchmark=every)).recipe.serving_benchmark
     assert both.hashed() == {**one.hashed(), "engines": "all"} and both.workload() == one.workload()
-    assert "serving_benchmark.engines: Input should be 'primary' or 'all'" in _error(
-        tmp_path, serving_benchmark={**first, "engines": ["sglang"]}
+    named = {**first, "engines": ["sglang"]}  # the engines named, of those serving a target
+    one_engine = load_recipe(write_recipe(tmp_path / "named.yaml", serving_benchmark=named)).recipe
+    assert one_engine.serving_benchmark.hashed() == {**one.hashed(), "engines": ["sglang"]}
+    assert one_engine.serving_benchmark.engines_of("vllm", ["sglang"]) == ["sglang"]
+    assert one_engine.serving_benchmark.engines_of("llama.cpp", []) == []
+    assert both.engines_of("vllm", ["sglang"]) == ["vllm", "sglang"] and one.engines_of(
+        "vllm", ["sglang"]
+    ) == ["vllm"]
+    assert (
+        "serving_benchmark.engines: engines is primary, all or a list of distinct engine names of "
+        "['llama.cpp', 'sglang', 'tensorrt-llm', 'vllm'], not 'sgl'"
+        in _error(tmp_path, serving_benchmark={**first, "engines": ["sgl"]})
     )
+    assert "serving_benchmark.engines" in _error(tmp_path, serving_benchmark={**first, "engines": []})
+    assert "engine names of ['llama.cpp', 'sglang', 'tensorrt-llm', 'vllm'], not 'every'" in _error(
+        tmp_path, serving_benchmark={**first, "engines": "every"}
+    )
+    for odd in (["vllm", "vllm"], [{"vllm": 1}], 3):
+        assert "engine names" in _error(tmp_path, serving_benchmark={**first, "engines": odd})
     again = {**first, "more_workloads": [{"prompt_tokens": 512, "output_tokens": 128}]}
     assert "more_workloads repeats the shape (prompt, output) (512, 128)" in _error(
         tmp_path, serving_benchmark=again

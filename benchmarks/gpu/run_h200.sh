@@ -12,7 +12,8 @@
 #                                           SERVING=1: the serving table, qwen2-7b-serving(-llama).yaml
 #                                           (SOURCE_ROW=first|last|0: where the bf16 source row runs),
 #                                           raw step `serve` for the engines with their defaults
-#                                           (`serve:sglang`: that engine's only, in the order given),
+#                                           (`serve:sglang`: that engine's only, in the order given;
+#                                           ENGINES=sglang: only that engine benchmarked),
 #                                           `settings` for one engine setting changed at a time)
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment;
 #                                           TESTS_K: only the tests a -k expression selects; TESTS:
@@ -214,7 +215,9 @@ case "${1:-}" in
     [ -f "$WORK/$shape-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
       "$WORK/$shape-$arch" --arch $arch --shape "$shape" --tokenizer "$tokenizer"
     for r in qwen2-7b-shape qwen2-7b-shape-llama qwen2-7b-serving qwen2-7b-serving-llama qwen2.5-32b-shape llama2-70b-shape; do  # replaced whole: the other stream may be reading it
-      sed "s#@WORK@#$WORK#g" "benchmarks/gpu/$r.yaml" > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
+      # ENGINES=sglang: the serving recipe benchmarks those engines only (`engines: [sglang]`)
+      sed -e "s#@WORK@#$WORK#g" -e "${ENGINES:+s#, engines: all,#, engines: [$ENGINES],#}" "benchmarks/gpu/$r.yaml" \
+        > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
     done
     flock -u 9
     recipe=$WORK/$shape-shape.yaml targets=${2:-modelopt-fp8}

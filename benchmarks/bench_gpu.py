@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -454,7 +455,12 @@ def run_targets(
                 if op == "serve":  # beside the engine called with its defaults
                     row["serving"] = serving_rows(project, target, m, row["engine"])
                 else:  # one engine setting changed at a time
-                    row["settings"] = setting_rows(project, target, m, row["engine"])
+
+                    def keep(partial: dict[str, Any], row: dict[str, Any] = row) -> None:
+                        row["settings"] = partial
+                        write_results(json_out, rows)
+
+                    row["settings"] = setting_rows(project, target, m, row["engine"], keep)
                 write_results(json_out, rows)
     print(markdown(rows))
 
@@ -611,11 +617,11 @@ SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
         "marlin": ({}, ["--linear-backend", "marlin"]),
     },
     "sglang": {
-        "torch.compile": ({}, ["--enable-torch-compile"]),
         # the deploy command's Triton attention against FlashInfer's (carried with the sglang set):
         # H100, 2026-12-05, AWQ at 512/128 and 128 streams: SGLang's TTFT p50 was 2.1x vLLM's (2,889
         # against 1,360 ms), its ITL p50 1.4x (11.7 against 8.5 ms), its tokens/s 0.56x
         "flashinfer attention": ({}, ["--attention-backend", "flashinfer"]),
+        "torch.compile": ({}, ["--enable-torch-compile"]),
     },
     "llama.cpp": {
         "flash attention": ({}, ["--flash_attn", "true"]),
@@ -627,11 +633,18 @@ SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
 }  # fmt: skip
 
 
-def setting_rows(project: Project, target: str, manifest: dict[str, Any], engine: str) -> dict[str, Any]:
+def setting_rows(
+    project: Project,
+    target: str,
+    manifest: dict[str, Any],
+    engine: str,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Every level of the first workload through `engine`'s deploy command as it is, then with each
     of that engine's SERVE_SETTINGS, then as it is again: output tokens/s, ITL p50 and the share of
     the bandwidth bound at 1 (the manifest's), and each level's ratio to the command as it is (a
-    setting that helps one stream may cost a full batch: Marlin against Machete)."""
+    setting that helps one stream may cost a full batch: Marlin against Machete). `progress` gets
+    the rows so far after each setting, as `status: partial` (a lease may end mid-sweep)."""
     ours = (manifest.get("serving") or {}).get(engine) or {}
     if ours.get("status") != "passed":
         return {"status": ours.get("status", "not run"), "reason": ours.get("reason")}
@@ -650,7 +663,18 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any], engine
         target_spec.serve_argv if engine == manifest["engine"] else target_spec.other_serve_argvs()[engine]
     )
     stem = _log_stem(target, engine, manifest)
+
+    def result(status: str) -> dict[str, Any]:
+        recorded = rows.get("as recorded") or {}
+        for row in rows.values():
+            row["ratio"] = _ratio(row, recorded)
+            for key, level in (row.get("levels") or {}).items():
+                level["ratio"] = _ratio(level, (recorded.get("levels") or {}).get(key))
+        return {"status": status, "workload": spec.workload(), "bound_tokens_per_s": bound, "settings": rows}
+
     for name, (env, extra) in tried.items():
+        if progress and rows:
+            progress(result("partial"))
         port = free_port()
         argv = [*local_argv(serve_argv, serve, port), *extra]
         log = project.layout.logs_dir / f"{stem}-setting-{re.sub(r'[^a-z0-9]+', '-', name.lower())}.log"
@@ -684,12 +708,7 @@ def setting_rows(project: Project, target: str, manifest: dict[str, Any], engine
                 if c > 1
             },
         }
-    recorded = rows.get("as recorded") or {}
-    for row in rows.values():
-        row["ratio"] = _ratio(row, recorded)
-        for key, level in (row.get("levels") or {}).items():
-            level["ratio"] = _ratio(level, (recorded.get("levels") or {}).get(key))
-    return {"status": "passed", "workload": spec.workload(), "bound_tokens_per_s": bound, "settings": rows}
+    return result("passed")
 
 
 def with_bounds(got: dict[str, Any], checkpoint: Path, gpu_name: str | None) -> None:

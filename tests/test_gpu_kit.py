@@ -287,9 +287,19 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
     )
     monkeypatch.setenv("KIT_TEST_VAR", "0")
     serving = {"status": "passed", "decode_bound": {"bound_tokens_per_s": 400.0}}
+    partial: list[tuple[str, list[str]]] = []  # what a lease ending mid-sweep would have kept
     got = bench.setting_rows(
-        project, "gguf-f16", {"engine": "llama.cpp", "serving": {"llama.cpp": serving}}, "llama.cpp"
+        project,
+        "gguf-f16",
+        {"engine": "llama.cpp", "serving": {"llama.cpp": serving}},
+        "llama.cpp",
+        lambda so_far: partial.append((so_far["status"], list(so_far["settings"]))),
     )
+    assert partial == [
+        ("partial", ["as recorded"]),
+        ("partial", ["as recorded", "flash attention"]),
+        ("partial", ["as recorded", "flash attention", "a variable"]),
+    ]
     # one shape at every level, their request counts sent beside it
     assert [r["workloads"] for r in sent] == [[{**got["workload"], "level_requests": [8, 8]}]] * 3
     assert got["workload"]["concurrency"] == [1, 4] and got["workload"]["prompt_tokens"] == 64

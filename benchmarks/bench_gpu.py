@@ -670,7 +670,9 @@ def setting_rows(
             row["ratio"] = _ratio(row, recorded)
             for key, level in (row.get("levels") or {}).items():
                 level["ratio"] = _ratio(level, (recorded.get("levels") or {}).get(key))
-        return {"status": status, "workload": spec.workload(), "bound_tokens_per_s": bound, "settings": rows}
+        reason = "the sweep had not finished when these rows were written" if status == "partial" else None
+        return {"status": status, "reason": reason, "workload": spec.workload(), "bound_tokens_per_s": bound,
+                "settings": rows}  # fmt: skip
 
     for name, (env, extra) in tried.items():
         if progress and rows:

@@ -177,7 +177,7 @@ def table(files: list[Path]) -> str:
             if (target, engine) in served:
                 path, row = served[(target, engine)]
                 out += workload_lines(label, engine, row["serving"], path.name)
-                if (row.get("settings") or {}).get("status") == "passed":
+                if (row.get("settings") or {}).get("status") in ("passed", "partial"):
                     tried += setting_lines(label, engine, row["settings"], path.name)
         if tried:
             out += [

@@ -110,3 +110,12 @@ def test_a_raw_side_the_lease_did_not_reach_says_so(tmp_path: Path) -> None:
     text = serving_table.table([_write(tmp_path / "h100-2026-12-05-serving.json", [row])])
     awq = next(line for line in text.splitlines() if line.startswith("| AWQ W4A16 g128 (llm-compressor)"))
     assert "| 100.0 | 800.0 | 3,200.0 | 12,800.0 | raw not run |" in awq
+
+
+def test_a_settings_sweep_the_lease_ended_shows_the_rows_it_wrote(tmp_path: Path) -> None:
+    row = _row("gptq", "H100", 100.0)
+    done = {"status": "passed", "output_tokens_per_s": 100.0, "ratio": 1.0, "levels": {}}
+    row["settings"] = {"status": "partial", "workload": {"prompt_tokens": 512, "output_tokens": 128},
+                       "settings": {"as recorded": done}}  # fmt: skip
+    text = serving_table.table([_write(tmp_path / "h100-2026-12-05-serving.json", [row])])
+    assert "| GPTQ W4A16 g128 (llm-compressor) | vllm | as recorded | 512/128 | 100.0 (1.000) |" in text

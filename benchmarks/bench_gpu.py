@@ -41,7 +41,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pipeline.constants import ENV_GUIDELLM, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS  # noqa: E402
+from pipeline.constants import ENGINES, ENV_GUIDELLM, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS  # noqa: E402
 from pipeline.decode_bound import checkpoint_weights_read, decode_bound, kv_bytes_per_context_token  # noqa: E402
 from pipeline.engines.serving import ARTIFACT_DIR, free_port, local_argv  # noqa: E402
 from pipeline.environments import UsageSampler, environment, local_gpu_name, run_step  # noqa: E402
@@ -444,8 +444,8 @@ def run_targets(
                 continue  # the pipeline reused its cached base: nothing to compare with
             raw.append(raw_row(f"{env_name}:{op}", raw_step(env_name, tool, request, work), steps, target))
             write_results(json_out, rows)
-        # each engine the build benchmarked (the primary one; every passing one with `engines: all`)
-        # (the primary row always: where nothing was benchmarked, its record says why)
+        # each engine the build benchmarked (serving_benchmark.engines), and the primary row always:
+        # where nothing was benchmarked, its record says why
         mine = rows[-len(v["engines"]) :]
         served = [row for row in mine if row["primary"] or row["engine"] in (m.get("serving") or {})]
         # in the order asked (`settings,serve`: the settings first, where the lease may end mid-way;
@@ -470,6 +470,23 @@ def serving_op(op: str) -> tuple[str | None, str | None]:
     only) as (op, engine); (None, None) for any other step."""
     name, _, engine = op.partition(":")
     return (name, engine or None) if name in ("serve", "settings") else (None, None)
+
+
+def raw_steps_error(raw_ops: list[str]) -> str | None:
+    """Why a --raw-steps list would do less than it says (None: it would not): an engine name
+    not known, or an engine's serving step named twice (`serve` and `serve:sglang`)."""
+    seen: dict[str, set[str | None]] = {}
+    for op in raw_ops:
+        name, engine = serving_op(op)
+        if name is None:
+            continue
+        if engine is not None and engine not in ENGINES:
+            return f"--raw-steps {op}: no engine {engine!r} (engines: {', '.join(sorted(ENGINES))})"
+        named = seen.setdefault(name, set())
+        if engine in named or (None in named) or (engine is None and named):
+            return f"--raw-steps names {name} twice for one engine ({op})"
+        named.add(engine)
+    return None
 
 
 # The engines called directly with their defaults, on the same checkpoint and workload as the
@@ -545,13 +562,21 @@ def _log_stem(target: str, engine: str, manifest: dict[str, Any]) -> str:
     return target if engine == manifest["engine"] else f"{target}-{engine}"
 
 
+def not_benchmarked(ours: dict[str, Any]) -> dict[str, Any]:
+    """The serving record of an engine whose benchmark did not pass, or that has none."""
+    if not ours:
+        return {"status": "not run", "reason": "the build benchmarked no server of this engine "
+                "(serving_benchmark's engines or targets leave it out, or it is off)"}  # fmt: skip
+    return {"status": ours.get("status", "not run"), "reason": ours.get("reason")}
+
+
 def serving_rows(project: Project, target: str, manifest: dict[str, Any], engine: str) -> dict[str, Any]:
     """`engine`'s serving benchmark of the artifact (its manifest) beside that engine called
     directly, per workload and level: output tokens/s, TTFT and ITL p50, peak GPU memory, the ratio
     project / raw."""
     ours = (manifest.get("serving") or {}).get(engine) or {}
     if ours.get("status") != "passed":
-        return {"status": ours.get("status", "not run"), "reason": ours.get("reason")}
+        return not_benchmarked(ours)
     log = project.layout.logs_dir / f"{_log_stem(target, engine, manifest)}-raw-serving.log"
     return serving_record(ours, raw_serving(project, engine, project.layout.target_dir(target), log))
 
@@ -587,7 +612,8 @@ def serving_record(ours: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
 def close_rows(json_out: Path, manifests: list[Path], reason: str) -> None:
     """A run the lease ended before its raw `serve` step finished: each engine row of a target
     whose manifest was collected, and that has no serving record yet, gets the project's side from
-    that manifest and a raw side `not run` with `reason` (nothing measured is made up)."""
+    that manifest and a raw side `not run` with `reason` (nothing measured is made up). Writes
+    the JSON file only."""
     rows = json.loads(json_out.read_text())
     by_target = {}
     for path in manifests:
@@ -601,8 +627,9 @@ def close_rows(json_out: Path, manifests: list[Path], reason: str) -> None:
         if ours.get("status") == "passed":
             row["serving"] = serving_record(ours, {"status": "not run", "reason": reason})
         else:
-            row["serving"] = {"status": ours.get("status", "not run"), "reason": ours.get("reason")}
-    write_results(json_out, rows)
+            row["serving"] = not_benchmarked(ours)
+    # the JSON only: a results file's .md beside it in benchmarks/results/ is the run's narrative
+    json_out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
 # Engine settings that may close concurrency 1's gap to the bandwidth bound (issue 26: "find it and
@@ -647,7 +674,7 @@ def setting_rows(
     the rows so far after each setting, as `status: partial` (a lease may end mid-sweep)."""
     ours = (manifest.get("serving") or {}).get(engine) or {}
     if ours.get("status") != "passed":
-        return {"status": ours.get("status", "not run"), "reason": ours.get("reason")}
+        return not_benchmarked(ours)
     bound = (ours.get("decode_bound") or {}).get("bound_tokens_per_s")
     spec = project.loaded.recipe.serving_benchmark.model_copy(update={"more_workloads": []})
     ctx = project.context()
@@ -982,7 +1009,11 @@ def main() -> None:
         warm(args.model_dir, args.model, args.json, args.attention_backend)
     else:
         targets = [t for t in args.targets.split(",") if t]
-        run(args.recipe, targets, args.model, args.json, [op for op in args.raw_steps.split(",") if op])
+        raw_ops = [op for op in args.raw_steps.split(",") if op]
+        why = raw_steps_error(raw_ops)
+        if why:
+            parser.error(why)
+        run(args.recipe, targets, args.model, args.json, raw_ops)
     print(f"finished {datetime.now(UTC).isoformat(timespec='seconds')}")
 
 

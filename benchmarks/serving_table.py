@@ -70,8 +70,28 @@ def _mark(level: dict[str, Any]) -> str:
     return " cut" if level.get("incomplete") else ""
 
 
-def workload_lines(label: str, engine: str, serving: dict[str, Any], source: str) -> list[str]:
-    """One table line per workload of a passed serving record."""
+def _ratio_range(levels: dict[str, Any]) -> str | None:
+    """The range of a workload's project / raw ratios over its levels (None: none measured)."""
+    ratios = [lv["ratio"] for lv in levels.values() if isinstance(lv.get("ratio"), int | float)]
+    return f"{min(ratios):.3f}–{max(ratios):.3f}" if ratios else None
+
+
+def _shape(load: dict[str, Any]) -> str:
+    return f"{load['prompt_tokens']}/{load['output_tokens']}"
+
+
+def workload_lines(
+    label: str,
+    engine: str,
+    serving: dict[str, Any],
+    source: str,
+    earlier: tuple[str, dict[str, Any]] | None = None,
+) -> list[str]:
+    """One table line per workload of a passed serving record; where its raw side was not run,
+    the ratios of `earlier` (a results file's name and its latest serving record with a raw side),
+    named as such."""
+    before = {_shape(run["workload"]): _ratio_range(run.get("levels") or {}) for run in
+              (earlier[1].get("workloads") or [])} if earlier else {}  # fmt: skip
     kv = serving.get("kv_cache") or {}
     setting = ", ".join(f"{k} {v}" for k, v in (serving.get("memory_setting") or {}).items())
     cache = f"{kv['tokens']:,} tokens" + (f" at {setting}" if setting else "") if kv else "–"
@@ -83,10 +103,11 @@ def workload_lines(label: str, engine: str, serving: dict[str, Any], source: str
             level = levels.get(c)
             ours = _ours(level or {})
             rates.append(_num(ours.get("output_tokens_per_s"), ",.1f") + _mark(ours) if level else "–")
-        ratios = [lv["ratio"] for lv in levels.values() if isinstance(lv.get("ratio"), int | float)]
-        ratio = f"{min(ratios):.3f}–{max(ratios):.3f}" if ratios else "–"
-        if not ratios and serving.get("raw_status") not in (None, "passed"):  # `close`: the lease ended
+        ratio = _ratio_range(levels) or "–"
+        if ratio == "–" and serving.get("raw_status") not in (None, "passed"):  # `close`: the lease ended
             ratio = f"raw {serving['raw_status']}"
+            if earlier and before.get(_shape(load)):
+                ratio += f"; {before[_shape(load)]} in {earlier[0]}"
         one = _ours(levels.get("1") or {})
         bound = run.get("decode_bound") or {}
         share = (
@@ -147,12 +168,17 @@ def table(files: list[Path]) -> str:
     """The markdown: one section per card, then what no card has served."""
     rows = load_rows(files)
     cards: dict[str, dict[tuple[str, str], tuple[Path, dict[str, Any]]]] = {}
+    with_raw: dict[str, dict[tuple[str, str], tuple[str, dict[str, Any]]]] = {}  # latest raw side run
     latest: dict[tuple[str, str], dict[str, Any]] = {}
     for path, row in rows:
         key = (row["target"], row.get("engine"))  # none: a build that never reached an engine
         latest[key] = row
-        if (row.get("serving") or {}).get("status") == "passed":
-            cards.setdefault(row.get("device") or "unknown card", {})[key] = (path, row)
+        serving = row.get("serving") or {}
+        if serving.get("status") == "passed":
+            card = row.get("device") or "unknown card"
+            cards.setdefault(card, {})[key] = (path, row)
+            if any(_ratio_range(run.get("levels") or {}) for run in serving.get("workloads") or []):
+                with_raw.setdefault(card, {})[key] = (path.name, serving)
     out = [
         "# The serving table, measured (issue 26)",
         "",
@@ -176,7 +202,8 @@ def table(files: list[Path]) -> str:
         for target, engine, label in EXPECTED:
             if (target, engine) in served:
                 path, row = served[(target, engine)]
-                out += workload_lines(label, engine, row["serving"], path.name)
+                earlier = with_raw.get(card, {}).get((target, engine))
+                out += workload_lines(label, engine, row["serving"], path.name, earlier)
                 if (row.get("settings") or {}).get("status") in ("passed", "partial"):
                     tried += setting_lines(label, engine, row["settings"], path.name)
         if tried:

@@ -97,7 +97,12 @@ def _candidate(entry: VersionEntry, manifest: Manifest, engine: str, verdict: En
         memory_mib=None,
         memory_from="",
         serving=serving.model_dump(mode="json") if serving else None,
-        serve_command=manifest.serve.command,
+        # the primary engine's deploy command is the manifest's; another's, its verdict's
+        serve_command=(
+            manifest.serve.command
+            if engine == manifest.engine
+            else str(verdict.details.get("command") or manifest.serve.command)
+        ),
         tp_size=manifest.serve.tp_size,
         steps=manifest.build.steps,
     )

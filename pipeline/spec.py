@@ -258,8 +258,11 @@ class ServingBenchmarkSpec(Strict):
     def _known_engines(cls, value: Any) -> Any:
         if value in ("primary", "all"):
             return value
-        listed = value if isinstance(value, list) else [value]
-        unknown = [e for e in listed if not (isinstance(e, str) and e in ENGINES)]
+        if not isinstance(value, list):  # `engines: sglang`: a list is meant
+            raise ValueError(
+                f"engines is primary, all or a list of engine names such as [sglang], not {value!r}"
+            )
+        unknown = [e for e in value if not (isinstance(e, str) and e in ENGINES)]
         if unknown or not value or len(set(value)) != len(value):
             raise ValueError(
                 f"engines is primary, all or a list of distinct engine names of {sorted(ENGINES)}"

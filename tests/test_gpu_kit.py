@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -322,6 +323,7 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
     assert rows["a variable"]["status"] == "skipped" and "KIT_TEST_VAR" in rows["a variable"]["reason"]
     failed = bench.setting_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {}}, "llama.cpp")
     assert failed["status"] == "not run" and len(sent) == 3  # no server started for it
+    assert "serving_benchmark's engines or targets leave it out" in failed["reason"]
 
 
 def test_the_raw_side_is_compared_per_workload_and_a_failed_further_workload_says_why(
@@ -359,6 +361,17 @@ def test_a_raw_serving_step_may_name_its_engine() -> None:
     assert bench.serving_op("settings:vllm") == ("settings", "vllm")
     assert bench.serving_op("quantize") == (None, None)
     assert bench.serving_op("validate:sglang") == (None, None)
+    # a lease is too short for a raw step that silently does nothing, or the same server twice
+    assert bench.raw_steps_error(["quantize", "serve:sglang", "serve:vllm", "settings"]) is None
+    assert "no engine 'sglnag'" in (bench.raw_steps_error(["serve:sglnag"]) or "")
+    for twice in (["serve", "serve:sglang"], ["serve:sglang", "serve"], ["settings:vllm", "settings:vllm"]):
+        assert "twice for one engine" in (bench.raw_steps_error(twice) or "")
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_gpu.py"), "run", "r.yaml", "--targets", "awq",
+         "--model", "m", "--json", "o.json", "--raw-steps", "serve:sglnag"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 2 and "no engine 'sglnag'" in run.stderr
 
 
 def test_a_run_the_lease_ended_gets_its_project_side_and_a_raw_side_not_run(tmp_path: Path) -> None:

@@ -390,6 +390,9 @@ def test_select_ranks_sglang_s_serving_numbers_beside_vllm_s(tmp_path: Path) -> 
     one = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=1))
     assert _names(one["ranked"]) == ["awq@sglang", "modelopt-fp8@vllm", "gptq@vllm", "awq@vllm"]
     assert "269.6 output tokens/s" in " ".join(one["ranked"][0]["reasons"])
+    commands = {f"{c['target']}@{c['engine']}": c["serve_command"] for c in one["ranked"]}
+    assert commands["awq@sglang"].startswith("python -m sglang.launch_server --model-path ${ARTIFACT_DIR}")
+    assert commands["awq@vllm"].startswith("python -m vllm.entrypoints.openai.api_server")
     full = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=128))
     assert _names(full["ranked"]) == ["modelopt-fp8@vllm", "awq@vllm", "gptq@vllm", "awq@sglang"]
     assert "3750.9 output tokens/s" in " ".join(full["ranked"][-1]["reasons"])

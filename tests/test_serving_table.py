@@ -119,3 +119,13 @@ def test_a_settings_sweep_the_lease_ended_shows_the_rows_it_wrote(tmp_path: Path
                        "settings": {"as recorded": done}}  # fmt: skip
     text = serving_table.table([_write(tmp_path / "h100-2026-12-05-serving.json", [row])])
     assert "| GPTQ W4A16 g128 (llm-compressor) | vllm | as recorded | 512/128 | 100.0 (1.000) |" in text
+
+
+def test_a_later_run_without_its_raw_side_shows_the_last_measured_ratio_and_where(tmp_path: Path) -> None:
+    first = _write(tmp_path / "h100-2026-12-05-serving.json", [_row("gptq", "H100", 100.0, ratio=0.99)])
+    later_row = _row("gptq", "H100", 200.0, ratio=None)
+    later_row["serving"] |= {"raw_status": "not run", "raw_reason": "the lease ended"}
+    later = _write(tmp_path / "h100-2026-12-05-serving-run2.json", [later_row])
+    text = serving_table.table([first, later])
+    gptq = next(line for line in text.splitlines() if line.startswith("| GPTQ"))
+    assert "| 200.0 |" in gptq and "| raw not run; 0.990–0.990 in h100-2026-12-05-serving.json |" in gptq

@@ -219,6 +219,9 @@ case "${1:-}" in
       sed -e "s#@WORK@#$WORK#g" -e "${ENGINES:+s#, engines: all,#, engines: [$ENGINES],#}" "benchmarks/gpu/$r.yaml" \
         > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
     done
+    if [ -n "${ENGINES:-}" ] && ! grep -q "engines: \[$ENGINES\]" "$WORK/qwen2-7b-serving.yaml"; then
+      echo "ENGINES=$ENGINES: qwen2-7b-serving.yaml has no 'engines: all' setting to replace" >&2; exit 2
+    fi
     flock -u 9
     recipe=$WORK/$shape-shape.yaml targets=${2:-modelopt-fp8}
     [ "$arch" = llama ] && [ "$shape" = qwen2-7b ] && recipe=$WORK/qwen2-7b-shape-llama.yaml targets=gguf-q8_0,gguf-q4_0,gguf-iq4_xs

@@ -34,6 +34,7 @@ from pipeline.constants import (
     serving_metrics_head,
 )
 from pipeline.context import BuildContext, NullReporter, Reporter
+from pipeline.engines.serving import command_line
 from pipeline.environments import environment_exists
 from pipeline.errors import DiskFullError, PipelineError, RecipeError, RegistryError
 from pipeline.hashing import json_sha256
@@ -407,6 +408,9 @@ def inputs_sha256(
     r = ctx.loaded.recipe
     bench = r.serving_benchmark
     benchmarked = bench.hashed() if bench.benchmarks(name) else None
+    # the other engines' deploy commands: their serve checks and benchmarks run them (SGLang's
+    # knobs for an AWQ/GPTQ checkpoint); none for a target served by one engine, whose hash stays
+    others = {e: command_line(argv(ctx.serve(name))) for e, argv in spec.other_serve_argvs().items()}
     return json_sha256(
         {
             "schema": MANIFEST_SCHEMA,
@@ -416,6 +420,7 @@ def inputs_sha256(
             "calibration": r.calibration.model_dump() if r.calibration else None,
             "reference": ctx.reference_inputs(),
             "serve": serve_command,  # carries the recipe's serving knobs this target uses
+            **({"other_serve": others} if others else {}),
             "serving_benchmark": benchmarked,
             "toolchain": toolchain,
         }

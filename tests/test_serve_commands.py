@@ -273,3 +273,32 @@ def test_engines_all_benchmarks_each_engine_that_passed_through_its_own_command(
         update={"status": "failed", "engines": {"vllm": EngineVerdict(status="failed")}}
     )
     assert benchmark(ctx, "awq", tmp_path / "model", failed, awq.serve_argv, other_argvs=others) == {}
+
+
+def test_another_engine_s_deploy_command_is_part_of_the_inputs(tmp_path: Path) -> None:
+    """SGLang's serve check and benchmark run its deploy command, so its knobs make an AWQ target
+    stale; a GGUF target, served by llama.cpp alone, keeps its hash when they change."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from pipeline.project import Project, inputs_sha256
+    from tests.conftest import empty_checkpoint, write_recipe
+
+    source = empty_checkpoint(tmp_path / "model")
+    save_file({"w": np.zeros(2, dtype=np.float32)}, str(source / "model.safetensors"))
+    targets = {"awq": {"kind": "awq", "gates": TOP_K_KL}, "gguf-q8_0": {"kind": "gguf", "quant": "Q8_0",
+               "gates": FULL_KL}}  # fmt: skip
+
+    def hashes(fraction: float) -> dict[str, str]:
+        recipe = write_recipe(tmp_path / f"{fraction}.yaml", targets=targets,
+                              serve={"sglang": {"mem_fraction_static": fraction}})  # fmt: skip
+        project = Project.open(recipe)
+        ctx = project.context()
+        return {
+            name: inputs_sha256(ctx, name, spec, {}, spec.serve_command(ctx.serve(name)))
+            for name, spec in project.select(None).items()
+        }
+
+    before, after = hashes(0.8), hashes(0.7)
+    assert after["awq"] != before["awq"]
+    assert after["gguf-q8_0"] == before["gguf-q8_0"]

@@ -450,7 +450,7 @@ def run_targets(
         served = [row for row in mine if row["primary"] or row["engine"] in (m.get("serving") or {})]
         # in the order asked (`settings,serve`: the settings first, where the lease may end mid-way;
         # `serve:sglang,serve:vllm`: one engine's, then the other's)
-        for op, engine in [serving_op(op) for op in raw_ops if serving_op(op)[0]]:
+        for op, engine in [named for named in map(serving_op, raw_ops) if named[0]]:
             for row in [row for row in served if engine in (None, row["engine"])]:
                 if op == "serve":  # beside the engine called with its defaults
                     row["serving"] = serving_rows(project, target, m, row["engine"])
@@ -628,8 +628,7 @@ def close_rows(json_out: Path, manifests: list[Path], reason: str) -> None:
             row["serving"] = serving_record(ours, {"status": "not run", "reason": reason})
         else:
             row["serving"] = not_benchmarked(ours)
-    # the JSON only: a results file's .md beside it in benchmarks/results/ is the run's narrative
-    json_out.write_text(json.dumps(rows, indent=1) + "\n")
+    write_json(json_out, rows)  # not the .md beside it: in benchmarks/results/ it is the narrative
 
 
 # Engine settings that may close concurrency 1's gap to the bandwidth bound (issue 26: "find it and
@@ -788,9 +787,13 @@ def raw_row(step: str, measured: dict[str, Any], steps: list[dict[str, Any]], ta
     }
 
 
-def write_results(json_out: Path, rows: list[dict[str, Any]]) -> None:
+def write_json(json_out: Path, rows: list[dict[str, Any]]) -> None:
     json_out.parent.mkdir(parents=True, exist_ok=True)
     json_out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def write_results(json_out: Path, rows: list[dict[str, Any]]) -> None:
+    write_json(json_out, rows)
     json_out.with_suffix(".md").write_text(markdown(rows))
 
 

@@ -329,17 +329,25 @@ def test_what_a_gpu_served_artifact_needs_grows_with_the_concurrent_requests(tmp
         assert q4["memory_from"].startswith(f"weights + 16-bit KV cache of {concurrency} x 640 tokens")
 
 
+def _h100_registry(tmp_path: Path, runs: dict[str, str]) -> Registry:
+    """A registry of the manifests the H100 wrote (benchmarks/results/), target -> run, each the
+    current version 1 of its target in the qwen2-7b-serving recipe."""
+    recipe_dir = tmp_path / "artifacts" / "qwen2-7b-serving"
+    for target, run in runs.items():
+        collected = ROOT / f"benchmarks/results/h100-2026-12-05-serving-{run}-manifest.json"
+        for where in (recipe_dir / target, recipe_dir / ".versions" / target / "1"):
+            where.mkdir(parents=True)
+            (where / "manifest.json").write_bytes(collected.read_bytes())
+    reg = Registry(tmp_path / "artifacts")
+    reg.rebuild()
+    return reg
+
+
 def test_select_answers_from_the_gpu_host_s_own_record(tmp_path: Path) -> None:
     """The 7B-shaped GPTQ manifest as the H100 wrote it (2026-12-05, third device session): the
     registry reads it here and `select` ranks it by its measured levels at either workload, with
     the card and the bandwidth bound in its reasons."""
-    collected = ROOT / "benchmarks/results/h100-2026-12-05-serving-run3-gptq-manifest.json"
-    root = tmp_path / "artifacts"
-    for where in (root / "qwen2-7b-serving" / "gptq", root / "qwen2-7b-serving" / ".versions" / "gptq" / "1"):
-        where.mkdir(parents=True)
-        (where / "manifest.json").write_bytes(collected.read_bytes())
-    reg = Registry(root)
-    reg.rebuild()
+    reg = _h100_registry(tmp_path, {"gptq": "run3-gptq"})
     full = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=128))
     assert _names(full["ranked"]) == ["gptq@vllm"]
     reasons = " ".join(full["ranked"][0]["reasons"])
@@ -354,15 +362,7 @@ def test_select_picks_between_the_h100_s_gptq_and_fp8_records_by_objective(tmp_p
     """Two manifests the H100 wrote for the same 7B-shaped source (2026-12-05, third and fourth
     device sessions): ModelOpt FP8 wins throughput at 128 streams, first-token latency at 1 and
     ΔPPL; the GPTQ W4A16 checkpoint wins size. Each answer names the measured numbers."""
-    root = tmp_path / "artifacts"
-    for target, run in (("gptq", "run3-gptq"), ("modelopt-fp8", "run4-modelopt-fp8")):
-        collected = ROOT / f"benchmarks/results/h100-2026-12-05-serving-{run}-manifest.json"
-        recipe_dir = root / "qwen2-7b-serving"
-        for where in (recipe_dir / target, recipe_dir / ".versions" / target / "1"):
-            where.mkdir(parents=True)
-            (where / "manifest.json").write_bytes(collected.read_bytes())
-    reg = Registry(root)
-    reg.rebuild()
+    reg = _h100_registry(tmp_path, {"gptq": "run3-gptq", "modelopt-fp8": "run4-modelopt-fp8"})
     fp8_first = ["modelopt-fp8@vllm", "gptq@vllm"]
     full = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=128))
     assert _names(full["ranked"]) == fp8_first
@@ -378,15 +378,9 @@ def test_select_ranks_sglang_s_serving_numbers_beside_vllm_s(tmp_path: Path) -> 
     """The H100's AWQ manifest (2026-12-05, fifth device session) holds a serving record per engine:
     SGLang's deploy command wins one stream (269.6 against vLLM's 230.7 tokens/s) and comes last at
     128 streams (3750.9); `select` ranks each (target, engine) by its own engine's numbers."""
-    root = tmp_path / "artifacts"
-    for target, run in (("gptq", "run3-gptq"), ("modelopt-fp8", "run4-modelopt-fp8"), ("awq", "run5-awq")):
-        collected = ROOT / f"benchmarks/results/h100-2026-12-05-serving-{run}-manifest.json"
-        recipe_dir = root / "qwen2-7b-serving"
-        for where in (recipe_dir / target, recipe_dir / ".versions" / target / "1"):
-            where.mkdir(parents=True)
-            (where / "manifest.json").write_bytes(collected.read_bytes())
-    reg = Registry(root)
-    reg.rebuild()
+    reg = _h100_registry(
+        tmp_path, {"gptq": "run3-gptq", "modelopt-fp8": "run4-modelopt-fp8", "awq": "run5-awq"}
+    )
     one = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=1))
     assert _names(one["ranked"]) == ["awq@sglang", "modelopt-fp8@vllm", "gptq@vllm", "awq@vllm"]
     assert "269.6 output tokens/s" in " ".join(one["ranked"][0]["reasons"])

@@ -41,6 +41,14 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw") and os.environ.get("PIPELINE_TEST_GPU_PER_WORKER") == "1":
         os.environ["CUDA_VISIBLE_DEVICES"] = worker.removeprefix("gw")
+    # `make test`'s workers share the host's cores, so each worker's tools get their share: torch's
+    # OpenMP reads OMP_NUM_THREADS, and so does pipeline/workers/llamacpp.py for llama.cpp's threads.
+    # Two workers on 2 cores with two threads each spin against each other: llm-compressor's AWQ
+    # took 307 s instead of ~30 (2026-12-06: small matmuls in two such processes at once ran 6x
+    # slower than with one thread each).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker and workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

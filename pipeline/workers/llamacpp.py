@@ -128,8 +128,10 @@ def _converter_error(stderr: str) -> str:
 
 
 def _threads(req: dict[str, Any]) -> int:
-    """The threads a request asks for; all cores when it leaves it to us."""
-    return req.get("threads") or os.cpu_count() or 1
+    """The threads a request asks for; when it leaves it to us, the host's OpenMP budget
+    (OMP_NUM_THREADS, which torch and the other tools follow too), else all cores."""
+    budget = os.environ.get("OMP_NUM_THREADS", "")
+    return req.get("threads") or (int(budget) if budget.isdigit() else 0) or os.cpu_count() or 1
 
 
 def _perplexity(req: dict[str, Any], *args: str) -> list[str]:

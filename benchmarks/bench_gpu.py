@@ -41,10 +41,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pipeline.constants import ENGINES, ENV_GUIDELLM, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS  # noqa: E402
+from pipeline.constants import ENGINES, ENV_GUIDELLM, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS, LLAMA_SERVER  # noqa: E402
 from pipeline.decode_bound import checkpoint_weights_read, decode_bound, kv_bytes_per_context_token  # noqa: E402
 from pipeline.engines.serving import ARTIFACT_DIR, free_port, local_argv  # noqa: E402
-from pipeline.environments import UsageSampler, environment, local_gpu_name, run_step  # noqa: E402
+from pipeline.environments import UsageSampler, environment, local_gpu_name, local_program, run_step  # noqa: E402
 from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.project import Project  # noqa: E402
 from pipeline.serving import load_request, load_timeout_s, tokenizer_dir  # noqa: E402
@@ -258,10 +258,10 @@ def raw_requests(
     the reference nor the built artifact). Not repeated: quantizing with an imatrix (the pipeline
     hands llama.cpp its own imatrix through the C API; there is no raw tool for that here) and
     ModelOpt other than FP8."""
+    from pipeline.environments import llama_cpp_dir
     from pipeline.targets.gguf import BASE_FILE, GgufTarget
     from pipeline.targets.int4 import BACKENDS, Int4Target
     from pipeline.targets.modelopt import ModeloptTarget, checkpoint_request
-    from pipeline.workers.llamacpp import llama_cpp_dir
 
     ctx = project.context()
     spec = project.loaded.recipe.targets[target]
@@ -490,15 +490,15 @@ def raw_steps_error(raw_ops: list[str]) -> str | None:
 
 
 # The engines called directly with their defaults, on the same checkpoint and workload as the
-# serving benchmark (issue 26: the project's serve command must reach 0.95x of it). llama.cpp's one
-# non-default: every layer on the GPU (its default, 0, serves from the CPU); SGLang's: Triton
-# attention (its Hopper default, FlashAttention 3, is not in the carried sglang-kernel).
+# serving benchmark (issue 26: the project's serve command must reach 0.95x of it). llama-server's
+# defaults place the layers (auto: all of them on a GPU they fit) and pick the slots (auto: 4, one
+# KV cache they share, the model's whole context); SGLang's one non-default: Triton attention (its
+# Hopper default, FlashAttention 3, is not in the carried sglang-kernel).
 RAW_SERVERS = {
     "vllm": ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", ARTIFACT_DIR],
     "sglang": ["python", "-m", "sglang.launch_server", "--model-path", ARTIFACT_DIR,
                "--attention-backend", "triton"],
-    "llama.cpp": ["python", "-m", "llama_cpp.server", "--model", f"{ARTIFACT_DIR}/{GGUF_FILE}",
-                  "--n_gpu_layers", "-1"],
+    "llama.cpp": [LLAMA_SERVER, "-m", f"{ARTIFACT_DIR}/{GGUF_FILE}"],
 }  # fmt: skip
 
 
@@ -509,7 +509,8 @@ def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> di
     port = free_port()
     argv = [*RAW_SERVERS[engine], "--host", "127.0.0.1", "--port", str(port)]
     tokenizer = tokenizer_dir(project.context(), model_dir)
-    request = load_request(engine, argv, 1, model_dir, tokenizer, spec, log.with_suffix(".server.log"), port)
+    here = [local_program(argv[0]), *argv[1:]]
+    request = load_request(engine, here, 1, model_dir, tokenizer, spec, log.with_suffix(".server.log"), port)
     try:
         got = run_step(ENV_GUIDELLM, request, log, timeout_s=load_timeout_s(spec))
     except PipelineError as exc:  # the row records why; the run goes on
@@ -650,11 +651,11 @@ SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
         "torch.compile": ({}, ["--enable-torch-compile"]),
     },
     "llama.cpp": {
-        "flash attention": ({}, ["--flash_attn", "true"]),
-        # the server's default keeps logits at every position (an n_ctx x vocab float32 array: 805 MB
-        # at 4096 x 49,152); the cost of turning it off: completions can no longer return logprobs,
-        # which the serve check asks for
-        "last logits only": ({}, ["--logits_all", "false"]),
+        "flash attention on": ({}, ["-fa", "on"]),  # llama-server's default is auto
+        # one KV cache all slots share (llama-server's default where it picks the slot count): a
+        # slot may then hold more than n_ctx / parallel
+        "unified KV cache": ({}, ["--kv-unified"]),
+        "micro-batch 2048": ({}, ["-ub", "2048"]),  # prefill in larger steps (default 512)
     },
 }  # fmt: skip
 

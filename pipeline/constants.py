@@ -192,6 +192,7 @@ ENV_TRTLLM = "trtllm"  # TensorRT-LLM 1.2: trtllm-build and its runtime (GPU bui
 
 # Serving engines (a manifest's `engine` and the keys of `validation.engines`).
 ENGINE_LLAMACPP = "llama.cpp"
+LLAMA_SERVER = "llama-server"  # llama.cpp's own server: a GGUF's deploy command (pipeline/targets/gguf.py)
 ENGINE_VLLM = "vllm"
 ENGINE_SGLANG = "sglang"
 ENGINE_TRTLLM = "tensorrt-llm"
@@ -211,8 +212,9 @@ class Engine:
     benchmarked: bool  # the serving benchmark drives its server (OpenAI completions) here
     server_env: dict[str, str] = field(default_factory=dict)  # what its servers need besides the command
     memory_knob: str | None = None  # the serve spec's field that sizes its memory reservation
-    # the line its server logs when it allocates the KV cache: named group `tokens`, and its size
-    # where the engine says it, as `mib` or as `k_gb` and `v_gb` (pipeline.serving.kv_cache_report)
+    # the line its server logs when it allocates the KV cache: named group `tokens` (or `slots` of
+    # `slot_tokens` each, `unified` true where they share one), and its size where the engine says
+    # it, as `mib` or as `k_gb` and `v_gb` (pipeline.serving.kv_cache_report)
     kv_cache_log: str | None = None
 
 
@@ -233,7 +235,10 @@ ENGINES: dict[str, Engine] = {
             "kld_mean",
             benchmarked=True,
             memory_knob="n_ctx",  # its KV cache is n_ctx cells, allocated whole at start
-            kv_cache_log=r"llama_kv_cache: size = +(?P<mib>[\d.]+) MiB \( *(?P<tokens>\d+) cells",
+            # llama-server's (its `llama_kv_cache: size` line is below its default verbosity): slots
+            # of n_ctx_slot cells each, or one cache they share (kv_unified)
+            kv_cache_log=r"initializing, n_slots = (?P<slots>\d+), n_ctx_slot = (?P<slot_tokens>\d+), "
+            r"kv_unified = '(?P<unified>\w+)'",
         ),
         Engine(
             ENGINE_VLLM,

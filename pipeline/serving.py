@@ -197,7 +197,12 @@ def kv_cache_report(engine: str, server_log: str) -> dict[str, Any] | None:
     if not found:
         return None
     groups = found.groupdict()
-    report: dict[str, Any] = {"tokens": int(groups["tokens"].replace(",", ""))}
+    if groups.get("slot_tokens"):  # per slot: the whole cache is every slot's, or one shared one
+        shared = groups["unified"] == "true"
+        tokens = int(groups["slot_tokens"]) * (1 if shared else int(groups["slots"]))
+    else:
+        tokens = int(groups["tokens"].replace(",", ""))
+    report: dict[str, Any] = {"tokens": tokens}
     if groups.get("mib"):
         report["mib"] = float(groups["mib"])
     if groups.get("k_gb") and groups.get("v_gb"):

@@ -130,17 +130,31 @@ class Gates(Strict):
 
 
 class LlamaCppServe(Strict):
-    """llama-cpp-python's OpenAI server (`python -m llama_cpp.server`)."""
+    """llama.cpp's own server, `llama-server`: continuous batching over `parallel` slots."""
 
+    # the KV cache in tokens over all slots (llama-server's -c beside an explicit -np): each slot
+    # holds n_ctx // parallel, and a request longer than its slot is refused
     n_ctx: int = Field(4096, ge=16)
-    n_gpu_layers: int = Field(0, ge=-1)  # -1: every layer on the GPU
+    # requests decoded together (llama-server's slots, -np); more wait for a free slot
+    parallel: int = Field(4, ge=1, le=256)
+    n_gpu_layers: int = Field(0, ge=-1)  # -1: every layer on the GPU (-ngl all)
     n_threads: int | None = Field(None, ge=1)
-    # llama-cpp-python's default (True) cuts a streamed answer short as soon as another request
-    # waits (seen under the serving benchmark: 1-token answers at concurrency 4); False queues them.
-    interrupt_requests: bool = False
     # over tp_size > 1 GPUs: whole layers per GPU (llama.cpp's default), rows of each matrix, or
     # llama.cpp's tensor parallelism (LLAMA_SPLIT_MODE_TENSOR)
     split_mode: Literal["layer", "row", "tensor"] = "layer"
+
+    @model_validator(mode="after")
+    def _slots_hold_a_request(self) -> LlamaCppServe:
+        if self.slot_tokens < 16:
+            raise ValueError(
+                f"n_ctx {self.n_ctx} over {self.parallel} slots leaves {self.slot_tokens} a slot"
+            )
+        return self
+
+    @property
+    def slot_tokens(self) -> int:
+        """The longest request (prompt + answer) one slot holds."""
+        return self.n_ctx // self.parallel
 
 
 class VllmServe(Strict):
@@ -433,6 +447,19 @@ class Recipe(Strict):
         unknown = sorted(set(self.serving_benchmark.targets or ()) - set(self.targets))
         if unknown:
             raise ValueError(f"serving_benchmark.targets: {unknown} are not targets of this recipe")
+        return self
+
+    @model_validator(mode="after")
+    def _benchmarked_requests_fit_llamacpp_slots(self) -> Recipe:
+        spec, knobs = self.serving_benchmark, self.serve.llamacpp
+        if not any(t.kind == "gguf" and spec.benchmarks(n) for n, t in self.targets.items()):
+            return self
+        for w in spec.workloads():
+            if w["prompt_tokens"] + w["output_tokens"] > knobs.slot_tokens:
+                raise ValueError(
+                    f"serving_benchmark: {workload_shape(w)} tokens do not fit a llama-server slot of "
+                    f"{knobs.slot_tokens} (serve.llamacpp n_ctx {knobs.n_ctx} over parallel {knobs.parallel})"
+                )
         return self
 
     @model_validator(mode="after")

@@ -92,26 +92,27 @@ if [ -z "$WHEEL" ]; then
 fi
 
 # 2b. llama.cpp's own tools from the same sdist and flags (static, so they need no library path):
-#     llama-imatrix (importance matrix) and llama-perplexity (PPL, KL divergence to an F16 base).
-#     Built once per (version, flags) into the cache; about 5 minutes on 2 cores.
+#     llama-imatrix (importance matrix), llama-perplexity (PPL, KL divergence to an F16 base) and
+#     llama-server (a GGUF's deploy command; without its web UI, which its build would download).
+#     Built once per (version, flags, tool list) into the cache; about 10 minutes on 2 cores.
 TOP="llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION"
-TOOLS=(llama-imatrix llama-perplexity)
+TOOLS=(llama-imatrix llama-perplexity llama-server)
 TOOLS_DIR="$CACHE/tools/llama.cpp-$LLAMA_CPP_PYTHON_VERSION-$BUILD_TAG"
-if [ ! -f "$TOOLS_DIR/.complete" ]; then
+if [ "$(cat "$TOOLS_DIR/.complete" 2>/dev/null)" != "${TOOLS[*]}" ]; then
   log "building ${TOOLS[*]} from the sdist's llama.cpp"
   SRC="$CACHE/tools/src.tmp"
   rm -rf "$SRC" "$TOOLS_DIR" && mkdir -p "$SRC"
   tar -xzf "$SDIST" -C "$SRC" --strip-components=3 "$TOP/vendor/llama.cpp"
   # shellcheck disable=SC2086  # CMAKE_FLAGS is a list of flags
   cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF $CMAKE_FLAGS \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
-    -DLLAMA_OPENSSL=OFF >"$CACHE/tools/cmake.log" 2>&1 \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF >"$CACHE/tools/cmake.log" 2>&1 \
     || { log "cmake configure failed: see $CACHE/tools/cmake.log"; exit 1; }
   cmake --build "$SRC/build" --target "${TOOLS[@]}" -j "$(nproc)" >>"$CACHE/tools/cmake.log" 2>&1 \
     || { log "building ${TOOLS[*]} failed: see $CACHE/tools/cmake.log"; exit 1; }
   mkdir -p "$TOOLS_DIR"
   for tool in "${TOOLS[@]}"; do cp "$SRC/build/bin/$tool" "$TOOLS_DIR/"; done
-  touch "$TOOLS_DIR/.complete"
+  echo "${TOOLS[*]}" >"$TOOLS_DIR/.complete"
   rm -rf "$SRC"
 fi
 

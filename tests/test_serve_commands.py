@@ -16,6 +16,7 @@ import pytest
 import pipeline.targets  # noqa: F401  (registers the kinds in KINDS)
 from pipeline.engines import sglang
 from pipeline.engines.serving import ARTIFACT_DIR, command_line, local_argv
+from pipeline.environments import local_program
 from pipeline.spec import KINDS, ServeSpec
 from pipeline.workers.serving import run_argv
 
@@ -48,7 +49,8 @@ FULL_KL, TOP_K_KL = (
 
 def test_every_kind_builds_its_local_command_instead_of_patching_the_recorded_one() -> None:
     """The serve check and the benchmark run the deploy command with the recipe's knobs on a
-    loopback port: the same builder, another host and port, everything else as recorded."""
+    loopback port: the same builder, another host and port, the program this host's copy of it
+    (llama-server: the one the build made), everything else as recorded."""
     serve = ServeSpec(host="0.0.0.0", port=8000)
     specs = {
         "gguf": {"quant": "Q8_0", "gates": FULL_KL}, "awq": {"gates": TOP_K_KL}, "gptq": {"gates": TOP_K_KL},
@@ -60,7 +62,8 @@ def test_every_kind_builds_its_local_command_instead_of_patching_the_recorded_on
         deployed, local = target.serve_argv(serve), local_argv(target.serve_argv, serve, 5555)
         assert target.serve_command(serve) == command_line(deployed)
         assert len(local) == len(deployed), kind
-        changed = [(d, x) for d, x in zip(deployed, local, strict=True) if d != x]
+        assert local[0] == local_program(deployed[0]) and (local[0] == deployed[0]) == (kind != "gguf")
+        changed = [(d, x) for d, x in zip(deployed[1:], local[1:], strict=True) if d != x]
         assert changed == [("0.0.0.0", "127.0.0.1"), ("8000", "5555")], (kind, changed)
 
 
@@ -127,22 +130,20 @@ def test_a_targets_own_tp_size_beats_the_recipes_and_moves_no_inputs_hash() -> N
 
 @pytest.mark.parametrize(("mode", "number"), [("layer", 1), ("row", 2), ("tensor", 3)])
 def test_a_gguf_over_several_gpus_gets_llama_cpp_servers_split_flags(mode: str, number: int) -> None:
-    """llama-cpp-python's own server parser takes the flags: `--split_mode` 1 (whole layers per
-    GPU), 2 (rows of each matrix) or 3 (llama.cpp's tensor parallelism), `--tensor_split` even
-    shares over tp_size GPUs; at 1, none. Validation splits the same way: the worker's
-    llama_cpp.Llama settings and its llama-perplexity flags, as this build's --help spells them."""
-    import argparse
-
-    from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
-    from llama_cpp.server.settings import ModelSettings, Settings
-
+    """llama-server takes `-sm` layer (whole layers per GPU), row (rows of each matrix) or tensor
+    (llama.cpp's tensor parallelism) and `-ts` even shares over tp_size GPUs; at 1, none.
+    Validation splits the same way: the worker's llama_cpp.Llama settings and its
+    llama-perplexity flags. Every flag as this build's llama-server and llama-perplexity spell them."""
     gguf = KINDS["gguf"].model_validate({"kind": "gguf", "quant": "Q8_0", "gates": FULL_KL, "tp_size": 3})
-    assert "--split_mode" not in gguf.serve_argv(ServeSpec())
-    argv = gguf.serve_argv(gguf.serve_spec(ServeSpec(llamacpp={"split_mode": mode})))
-    parser = argparse.ArgumentParser()
-    add_args_from_model(parser, Settings)
-    settings = parse_model_from_args(ModelSettings, parser.parse_args(argv[3:]))
-    assert settings.split_mode == number and settings.tensor_split == [1.0, 1.0, 1.0]
+    assert "-sm" not in gguf.serve_argv(ServeSpec())
+    argv = gguf.serve_argv(gguf.serve_spec(ServeSpec(llamacpp={"split_mode": mode, "n_gpu_layers": -1})))
+    assert argv[argv.index("-sm") + 1] == mode and argv[argv.index("-ts") + 1] == "1,1,1"
+    assert argv[argv.index("-ngl") + 1] == "all"
+    server = subprocess.run([local_program(argv[0]), "--help"], capture_output=True, text=True, check=False)
+    for flag in ("-m,    --model FNAME", "-c,    --ctx-size N", "-np,   --parallel N", "-ngl,  --gpu-layers",
+                 "-sm,   --split-mode {none,layer,row,tensor}", "-ts,   --tensor-split N0,N1,N2",
+                 "--host HOST", "--port PORT", "-t,    --threads N"):  # fmt: skip
+        assert flag in server.stdout + server.stderr, flag
 
     from pipeline.targets.gguf import split_request
     from pipeline.workers import llamacpp

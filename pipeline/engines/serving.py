@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.context import BuildContext
+from pipeline.environments import local_program
 from pipeline.errors import EngineError
 from pipeline.manifest import EngineVerdict
 from pipeline.spec import ServeSpec
@@ -38,8 +39,9 @@ def free_port() -> int:
 
 def local_argv(serve_argv: ServeArgv, serve: ServeSpec, port: int) -> list[str]:
     """The deploy command as the build runs it here: the recipe's knobs on a loopback `port`
-    (built so, not patched into a recorded command)."""
-    return serve_argv(serve.model_copy(update={"host": LOOPBACK, "port": port}))
+    (built so, not patched into a recorded command), its program this host's copy."""
+    program, *args = serve_argv(serve.model_copy(update={"host": LOOPBACK, "port": port}))
+    return [local_program(program), *args]
 
 
 def command_line(argv: list[str]) -> str:
@@ -64,22 +66,25 @@ def serve_check(
     serve_argv: ServeArgv,
     scores: dict[str, Any],
     result: EngineVerdict,
-    eager_flag: str,
+    eager_flag: str | None,
 ) -> None:
     """Run the deploy command (`serve_argv` of the recipe's serve section, on a free loopback port)
     for `artifact` in env's worker and record it in `result.details["serve_check"]`; `scores` is
     the same engine's offline result (its greedy answer and top logprobs), obtained eagerly;
-    `eager_flag` is the server's flag that makes it eager too."""
+    `eager_flag` is the server's flag that makes it eager too (None: an engine with one mode)."""
     ref, _ = ctx.reference()
     expected = scores["generations"][0]
     serve, port = ctx.serve(name), free_port()
     deployed = serve_argv(serve)
-    as_deployed = eager_flag in deployed
-    eager = [] if as_deployed else [eager_flag]
+    as_deployed = eager_flag is None or eager_flag in deployed
+    eager = [] if as_deployed or eager_flag is None else [eager_flag]
     checked = command_line(deployed + eager)  # what the record says was served
-    modes = "eager offline vs eager server (" + (
-        "the deploy command as it is)" if as_deployed else f"the deploy command + {eager_flag})"
-    )
+    if eager_flag is None:
+        modes = "offline vs server (the deploy command as it is)"
+    else:
+        modes = "eager offline vs eager server (" + (
+            "the deploy command as it is)" if as_deployed else f"the deploy command + {eager_flag})"
+        )
     try:
         served = ctx.step(
             env,

@@ -16,11 +16,11 @@ from pipeline.constants import (
     GGUF_BASE_OUTTYPE,
     GGUF_FILE,
     GGUF_QUANTS,
-    LLAMACPP_SPLIT_MODES,
+    LLAMA_SERVER,
 )
 from pipeline.context import BuildContext
 from pipeline.decode_bound import weights_read_per_token
-from pipeline.engines.serving import ARTIFACT_DIR
+from pipeline.engines.serving import ARTIFACT_DIR, serve_check
 from pipeline.hashing import file_sha256
 from pipeline.manifest import Metrics, Validation
 from pipeline.spec import ServeSpec
@@ -219,6 +219,8 @@ class GgufTarget(Target):
         if problems:
             result.status = "failed"
             result.reason = "; ".join([result.reason, *problems] if result.reason else problems)
+        ctx.reporter.step(name, "serving once through llama-server")
+        serve_check(ctx, ENV_LLAMACPP, name, artifact, self.serve_argv, got, result, None)
         return Validation.of(ENGINE_LLAMACPP, {ENGINE_LLAMACPP: result}, reference_record(ref))
 
     def _llama_perplexity(self, ctx: BuildContext, name: str, artifact: Path) -> dict[str, Any]:
@@ -278,15 +280,24 @@ class GgufTarget(Target):
         return weights_read_per_token(inspected["tensor_bytes"])
 
     def serve_argv(self, serve: ServeSpec) -> list[str]:
+        """llama.cpp's own `llama-server` (the build's copy: `<llama.cpp dir>/bin`), every knob
+        explicit: its defaults (auto slots, auto GPU layers) depend on the host."""
         knobs = serve.llamacpp
-        argv = ["python", "-m", "llama_cpp.server", "--model", f"{ARTIFACT_DIR}/{GGUF_FILE}"]
-        argv += ["--host", serve.host, "--port", str(serve.port), "--n_ctx", str(knobs.n_ctx)]
-        argv += ["--n_gpu_layers", str(knobs.n_gpu_layers)]
-        if serve.tp_size > 1:  # llama.cpp's split mode by number, even shares of the first tp_size GPUs
-            argv += ["--split_mode", str(LLAMACPP_SPLIT_MODES[knobs.split_mode])]
-            argv += ["--tensor_split", *["1"] * serve.tp_size]
-        argv += ["--n_threads", str(knobs.n_threads)] if knobs.n_threads else []
-        argv += ["--interrupt_requests", str(knobs.interrupt_requests)]
+        layers = "all" if knobs.n_gpu_layers == -1 else str(knobs.n_gpu_layers)
+        argv = [LLAMA_SERVER, "-m", f"{ARTIFACT_DIR}/{GGUF_FILE}", "--host", serve.host]
+        argv += [
+            "--port",
+            str(serve.port),
+            "-c",
+            str(knobs.n_ctx),
+            "-np",
+            str(knobs.parallel),
+            "-ngl",
+            layers,
+        ]
+        if serve.tp_size > 1:  # even shares of the first tp_size GPUs
+            argv += ["-sm", knobs.split_mode, "-ts", ",".join(["1"] * serve.tp_size)]
+        argv += ["-t", str(knobs.n_threads)] if knobs.n_threads else []
         return argv
 
 

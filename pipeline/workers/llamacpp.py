@@ -21,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.constants import GGUF_QUANTS, LLAMACPP_SPLIT_MODES
+from pipeline.constants import GGUF_QUANTS, LLAMA_SERVER, LLAMACPP_SPLIT_MODES
+from pipeline.environments import llama_cpp_dir as _llama_cpp_dir
 from pipeline.workers.calibration import bos_windows, calibration_chunks, read_text
 from pipeline.workers.protocol import installed_versions, worker_main
 from pipeline.workers.scoring import (
@@ -31,15 +32,14 @@ from pipeline.workers.scoring import (
     generation_scores,
     windows,
 )
+from pipeline.workers.serving import TIE_TOP, post_json, serve_check
+
+TOOLS = ("llama-imatrix", "llama-perplexity", LLAMA_SERVER)
 
 
 def llama_cpp_dir() -> Path:
-    """The converter directory that belongs to this environment's llama-cpp-python."""
-    override = os.environ.get("PIPELINE_LLAMA_CPP_DIR")
-    return Path(override) if override else Path(sys.prefix) / "share" / "pipeline" / "llama.cpp"
-
-
-TOOLS = ("llama-imatrix", "llama-perplexity")
+    """The converter and tools directory of this environment's llama-cpp-python."""
+    return _llama_cpp_dir(Path(sys.prefix))
 
 
 def tool(name: str) -> Path:
@@ -430,6 +430,7 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         shown = out[:-1] if eos else out  # the other engines' texts leave the end-of-turn token out
         text = llm.detokenize(shown).decode("utf-8", errors="replace")
         records.append(generation_record(g, out, text, eos))
+    first_top = _top_logprobs(llm, ref["generations"][0]["prompt_ids"], records[0]["output_ids"])
     # llama.cpp's own framing of the evaluation text (BOS first where the GGUF says add_bos_token,
     # each window's head BOS, as llama-perplexity does) against the reference's ids
     text = Path(req["eval_text_path"]).read_text().encode()
@@ -449,7 +450,43 @@ def op_validate(req: dict[str, Any]) -> dict[str, Any]:
         },
         "eos_token_id": llm.token_eos(),
         "tokenizer_prefix_match": common_prefix(ours_ids, eval_ids) / len(eval_ids),
+        "first_generation_top_logprobs": first_top,
     }
+
+
+def _top_logprobs(llm: Any, prompt: list[int], answer: list[int]) -> list[dict[str, float]]:
+    """The TIE_TOP most likely tokens (id -> log-probability) at each step of a greedy `answer`
+    (the serve check's near-ties), from one pass over prompt + answer."""
+    import numpy as np
+
+    if not answer:
+        return []
+    llm.reset()
+    llm.eval(prompt + answer)
+    rows = np.array(llm.scores[len(prompt) - 1 : len(prompt) - 1 + len(answer)], dtype=np.float64)
+    peak = rows.max(axis=1, keepdims=True)
+    logprobs = rows - (peak + np.log(np.exp(rows - peak).sum(axis=1, keepdims=True)))
+    return [{str(int(t)): float(lp[t]) for t in np.argsort(lp)[::-1][:TIE_TOP]} for lp in logprobs]
+
+
+def _ask_llama_server(base: str, req: dict[str, Any]) -> dict[str, Any]:
+    """One greedy completion of the prompt's token ids through llama-server's own /completion
+    (the one that answers with token ids; an end-of-generation token among them, as offline)."""
+    body = {
+        "prompt": req["prompt_ids"],
+        "n_predict": req["max_tokens"],
+        "temperature": 0,  # llama.cpp's temperature sampler keeps only the most likely token
+        "return_tokens": True,
+        "cache_prompt": False,
+    }
+    got = post_json(f"{base}/completion", body)
+    ids = [int(t) for t in got.get("tokens") or []]
+    return {"text": got["content"], "token_ids": ids, "finish_reason": got.get("stop_type")}
+
+
+def op_serve_check(req: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's serve command (llama.cpp's llama-server), once (pipeline.workers.serving)."""
+    return serve_check(req, "llama-server", _ask_llama_server)
 
 
 if __name__ == "__main__":
@@ -463,5 +500,6 @@ if __name__ == "__main__":
             "imatrix": op_imatrix,
             "kld_base": op_kld_base,
             "kld": op_kld,
+            "serve_check": op_serve_check,
         }
     )

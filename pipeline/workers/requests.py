@@ -265,6 +265,7 @@ class LlamacppScores(Scores):
     tokenizer_prefix_match: Any
     placement: dict[str, Any]
     eos_token_id: int | None
+    first_generation_top_logprobs: list[dict[str, float]]
 
 
 class TrtllmScores(Scores):
@@ -356,6 +357,7 @@ REQUESTS: dict[str, dict[str, type[Request]]] = {
     WORKERS + "llamacpp": {
         "toolchain": Toolchain, "convert": Convert, "quantize": GgufQuantize, "inspect": Inspect,
         "validate": LlamacppValidate, "imatrix": Imatrix, "kld_base": KldBase, "kld": Kld,
+        "serve_check": ServeCheck,
     },
     WORKERS + "reference": {
         "toolchain": Toolchain, "reference": Reference, "imatrix": Imatrix,
@@ -375,7 +377,7 @@ REQUESTS: dict[str, dict[str, type[Request]]] = {
 REPLIES: dict[str, dict[str, type[Reply]]] = {
     WORKERS + "llamacpp": {
         "toolchain": ToolchainReply, "inspect": Inspected, "validate": LlamacppScores,
-        "imatrix": ImatrixReply, "kld": KldReply,
+        "imatrix": ImatrixReply, "kld": KldReply, "serve_check": Served,
     },
     WORKERS + "reference": {
         "toolchain": ToolchainReply, "reference": ReferenceReply, "imatrix": ImatrixReply,

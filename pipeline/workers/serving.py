@@ -104,7 +104,7 @@ def serve_check(req: dict[str, Any], engine: str, ask: Ask) -> dict[str, Any]:
             "finish_reason": answer.get("finish_reason"),
             "ready_s": ready_s,
             "request_s": time.perf_counter() - t1,
-            "command": " ".join(["python", *cmd[1:]]),
+            "command": " ".join([req["argv"][0], *cmd[1:]]),  # `python`, not the environment's path
         }
     finally:
         server.terminate()

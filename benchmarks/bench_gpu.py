@@ -35,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ sys.path.insert(0, str(REPO))
 from pipeline.constants import ENGINES, ENV_GUIDELLM, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS, LLAMA_SERVER  # noqa: E402
 from pipeline.decode_bound import checkpoint_weights_read, decode_bound, kv_bytes_per_context_token  # noqa: E402
 from pipeline.engines.serving import ARTIFACT_DIR, free_port, local_argv  # noqa: E402
-from pipeline.environments import UsageSampler, environment, local_gpu_name, local_program, run_step  # noqa: E402
+from pipeline.environments import UsageSampler, environment, local_gpu_name, run_step  # noqa: E402
 from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.project import Project  # noqa: E402
 from pipeline.serving import load_request, load_timeout_s, tokenizer_dir  # noqa: E402
@@ -258,10 +259,10 @@ def raw_requests(
     the reference nor the built artifact). Not repeated: quantizing with an imatrix (the pipeline
     hands llama.cpp its own imatrix through the C API; there is no raw tool for that here) and
     ModelOpt other than FP8."""
-    from pipeline.environments import llama_cpp_dir
     from pipeline.targets.gguf import BASE_FILE, GgufTarget
     from pipeline.targets.int4 import BACKENDS, Int4Target
     from pipeline.targets.modelopt import ModeloptTarget, checkpoint_request
+    from pipeline.workers.llamacpp import llama_cpp_dir
 
     ctx = project.context()
     spec = project.loaded.recipe.targets[target]
@@ -508,8 +509,9 @@ def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> di
     spec = project.loaded.recipe.serving_benchmark
     port = free_port()
     argv = [*RAW_SERVERS[engine], "--host", "127.0.0.1", "--port", str(port)]
-    tokenizer = tokenizer_dir(project.context(), model_dir)
-    here = [local_program(argv[0]), *argv[1:]]
+    ctx = project.context()
+    tokenizer = tokenizer_dir(ctx, model_dir)
+    here = [ctx.program(ENGINES[engine].env, argv[0]), *argv[1:]]
     request = load_request(engine, here, 1, model_dir, tokenizer, spec, log.with_suffix(".server.log"), port)
     try:
         got = run_step(ENV_GUIDELLM, request, log, timeout_s=load_timeout_s(spec))
@@ -705,7 +707,7 @@ def setting_rows(
         if progress and rows:
             progress(result("partial"))
         port = free_port()
-        argv = [*local_argv(serve_argv, serve, port), *extra]
+        argv = [*local_argv(serve_argv, serve, port, partial(ctx.program, ENGINES[engine].env)), *extra]
         log = project.layout.logs_dir / f"{stem}-setting-{re.sub(r'[^a-z0-9]+', '-', name.lower())}.log"
         overridden = sorted(k for k, v in env.items() if os.environ.get(k, v) != v)
         if overridden:  # the load generator lets the host's environment win over a server's

@@ -84,6 +84,14 @@ class BuildContext:
     def versions(self, env: str) -> dict[str, str | None]:
         return self.toolchain(env)["toolchain"]
 
+    def program(self, env: str, name: str) -> str:
+        """A deploy command's program as env's worker runs it here: `python` as it is (the worker
+        runs its environment's interpreter), llama-server the build's own copy (its toolchain says
+        where), any other from the PATH."""
+        if name == "python":
+            return name
+        return (self.toolchain(env).get("programs") or {}).get(name, name)
+
     def preflight(
         self, name: str, target: TargetSpec, engines: tuple[str, ...]
     ) -> dict[str, preflight.Prediction]:

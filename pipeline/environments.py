@@ -38,7 +38,6 @@ from pipeline.constants import (
     ENV_TRANSFORMERS,
     ENV_TRTLLM,
     ENV_VLLM,
-    LLAMA_SERVER,
     STEP_LIMITS_S,
 )
 from pipeline.errors import DiskFullError, EngineError
@@ -132,27 +131,6 @@ def interpreter(env: str) -> str:
 
 def environment_exists(env: str) -> bool:
     return environment(env).exists
-
-
-def llama_cpp_dir(prefix: Path | None = None) -> Path:
-    """Where scripts/setup.sh placed the llamacpp environment's converter, gguf-py and llama.cpp
-    tools (bin/): PIPELINE_LLAMA_CPP_DIR, else `<prefix>/share/pipeline/llama.cpp`. `prefix`: that
-    environment's (its worker passes sys.prefix); by default its interpreter's venv, two levels up
-    (set the variable where the interpreter is not a venv's)."""
-    override = os.environ.get("PIPELINE_LLAMA_CPP_DIR")
-    if override:
-        return Path(override)
-    if prefix is None:
-        python = interpreter(ENV_LLAMACPP)
-        prefix = Path(sys.prefix) if python == sys.executable else Path(python).parent.parent
-    return prefix / "share" / "pipeline" / "llama.cpp"
-
-
-def local_program(program: str) -> str:
-    """A deploy command's program as this host runs it: llama-server is the build's own copy
-    (`llama_cpp_dir()/bin`, the llama.cpp commit its GGUFs were made and scored with); `python`
-    stays, for the step worker to run with its environment's interpreter."""
-    return str(llama_cpp_dir() / "bin" / LLAMA_SERVER) if program == LLAMA_SERVER else program
 
 
 @dataclass(frozen=True)

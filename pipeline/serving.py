@@ -12,7 +12,7 @@ import json
 import os
 import re
 from collections.abc import Callable
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +111,7 @@ def _engine_benchmark(
         "gpu_arch": gpu_arch,
         "memory_setting": memory_setting(engine, serve),
     }
-    argv = local_argv(serve_argv, serve, port)
+    argv = local_argv(serve_argv, serve, port, partial(ctx.program, engine_env))
     request = load_request(engine, argv, serve.tp_size, artifact, tokenizer, spec, server_log, port)
     try:
         got = ctx.step(ENV_GUIDELLM, request, log, timeout_s=load_timeout_s(spec))

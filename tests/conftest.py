@@ -183,7 +183,7 @@ def serve_and_ask(command: str, artifact_dir: str) -> dict:
     import time
     import urllib.request
 
-    from pipeline.environments import llama_cpp_dir
+    from pipeline.workers.llamacpp import llama_cpp_dir
 
     argv = shlex.split(command.replace("${ARTIFACT_DIR}", artifact_dir))
     assert argv[0] == "llama-server" and "-c" in argv and "-np" in argv and "-ngl" in argv

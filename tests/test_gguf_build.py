@@ -87,11 +87,16 @@ def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_art
     assert placement == {"gpu_offload": False, "n_gpu_layers": 0, "threads": 2}
     assert f16["validation"]["reference"]["dtype"] == "float32"  # a tiny model fits: the exact one
     ops = [(s["env"], s["op"]) for s in f16["build"]["steps"]]
-    assert ("llamacpp", "convert") in ops and ops[-3:] == [
+    assert ("llamacpp", "convert") in ops and ops[-4:] == [
         ("llamacpp", "validate"),
         ("llamacpp", "kld_base"),
         ("llamacpp", "kld"),
+        ("llamacpp", "serve_check"),
     ], ops
+    # the deploy command, llama-server, answered the first smoke prompt as llama-cpp-python did
+    served = verdict["details"]["serve_check"]
+    assert served["ok"] and served["compared"] == "token_ids" and served["modes"].startswith("offline vs")
+    assert served["token_ids"] == verdict["generations"][0]["output_ids"] and served["ready_s"] > 0
     # a step shorter than the RSS sampler's period may be sampled only as it starts (kld: 0.3 s)
     assert all(s["seconds"] > 0 and s["peak_rss_mib"] > 0 for s in f16["build"]["steps"])
     assert all(s["peak_rss_mib"] > 10 for s in f16["build"]["steps"] if s["seconds"] > 2)
@@ -320,6 +325,43 @@ def test_damaged_weights_fail_their_gates(
     assert result.metrics["kld_mean"] > 0.001
 
 
+def test_a_deploy_command_that_cannot_serve_fails_the_verdict_and_never_resolves(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GGUF scores as it should, but the llama-server its serve command starts exits before it
+    is ready (a stand-in that says why): the verdict is `failed` with the server's own words, the
+    artifact is kept and recorded, and it does not resolve."""
+    from pipeline.workers.llamacpp import llama_cpp_dir
+
+    tools = tmp_path / "llama.cpp"
+    tools.mkdir()
+    for entry in llama_cpp_dir().iterdir():  # the real converter, gguf-py and tools...
+        if entry.name != "bin":
+            (tools / entry.name).symlink_to(entry)
+    (tools / "bin").mkdir()
+    for tool in (llama_cpp_dir() / "bin").iterdir():
+        (tools / "bin" / tool.name).symlink_to(tool)
+    server = tools / "bin" / "llama-server"
+    server.unlink()  # ...but a server that cannot start
+    server.write_text('#!/bin/sh\necho "error: failed to allocate the KV cache" >&2; exit 3\n')
+    server.chmod(0o755)
+    monkeypatch.setenv("PIPELINE_LLAMA_CPP_DIR", str(tools))
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets={"gguf-f16": TARGETS["gguf-f16"]})
+    [result] = build_recipe(recipe, threads=2)
+    assert result.outcome == "built" and result.validation == "failed", result
+    verdict = read_json(_isolated_artifacts / "tiny" / "gguf-f16" / MANIFEST_NAME)["validation"]
+    assert verdict["metrics"]["ppl_delta_pct"] < 0.1  # the file itself scored as it should
+    served = verdict["engines"]["llama.cpp"]["details"]["serve_check"]
+    assert not served["ok"] and served["command"].startswith("llama-server -m ${ARTIFACT_DIR}/model.gguf")
+    assert re.search(
+        r"the serve check's server did not answer: .*exited with code 3 before it was ready: "
+        r"error: failed to allocate the KV cache",
+        verdict["reason"],
+    ), verdict["reason"]
+    with pytest.raises(RegistryError):
+        Registry(_isolated_artifacts).resolve("tiny", "llama.cpp", "F16")
+
+
 def test_an_eos_token_that_differs_from_the_reference_fails(
     tiny_llama: Path, tmp_path: Path, _isolated_artifacts: Path
 ) -> None:
@@ -443,7 +485,7 @@ def test_a_failing_benchmark_is_recorded_and_never_touches_the_artifact(
         got = benchmark(ctx, "gguf-f16", artifact, manifest.validation, command, port=taken.getsockname()[1])
     assert got["llama.cpp"].status == "failed"
     reason = got["llama.cpp"].reason
-    assert re.search(r"exited with code [1-9]\d* before it was ready: .*address already in use", reason)
+    assert re.search(r"exited with code [1-9]\d* before it was ready: .*couldn't bind HTTP server", reason)
 
     copy = tmp_path / "broken-tokenizer"
     shutil.copytree(artifact, copy)

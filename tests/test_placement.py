@@ -112,6 +112,19 @@ def test_a_server_that_stops_is_reported_by_its_error_line() -> None:
     )
     assert last_error_line(uvicorn).endswith("address already in use")
     assert last_error_line("starting\nkilled\n") == "killed" and last_error_line("") == "no output"
+    # llama-server (llama.cpp 0c1e570, 2026-12-06): its last words only say that it is stopping
+    server = (
+        "warning: no usable GPU found, --gpu-layers option will be ignored\n"
+        "0.00.002.866 W srv  llama_server: security: no API key is set and CORS allows all origins\n"
+        "0.00.002.969 E srv         start: couldn't bind HTTP server socket, hostname: 127.0.0.1, "
+        "port: 44963\n"
+        "0.00.002.988 I srv    operator(): operator(): cleaning up before exit...\n"
+        "0.00.003.117 E srv  llama_server: exiting due to HTTP server error\n"
+    )
+    assert last_error_line(server) == (
+        "llama.cpp error: start: couldn't bind HTTP server socket, hostname: 127.0.0.1, port: 44963; "
+        "llama_server: exiting due to HTTP server error"
+    )
     # a serve check's vLLM server on the H200 (2026-12-04): the front end's last line only points
     # at the engine core's cause, which the verdict must name
     core = (

@@ -16,7 +16,6 @@ import pytest
 import pipeline.targets  # noqa: F401  (registers the kinds in KINDS)
 from pipeline.engines import sglang
 from pipeline.engines.serving import ARTIFACT_DIR, command_line, local_argv
-from pipeline.environments import local_program
 from pipeline.spec import KINDS, ServeSpec
 from pipeline.workers.serving import run_argv
 
@@ -57,12 +56,16 @@ def test_every_kind_builds_its_local_command_instead_of_patching_the_recorded_on
         "modelopt": {"quant": "fp8", "gates": TOP_K_KL},
         "trtllm": {"quant": "fp16", "gpu_arch": "sm90", "gates": FULL_KL},
     }  # fmt: skip
+    programs = {"llama-server": "/opt/llama.cpp/bin/llama-server"}  # as a toolchain names them
     for kind, fields in specs.items():
         target = KINDS[kind].model_validate({"kind": kind, **fields})
-        deployed, local = target.serve_argv(serve), local_argv(target.serve_argv, serve, 5555)
+        deployed, local = (
+            target.serve_argv(serve),
+            local_argv(target.serve_argv, serve, 5555, lambda p: programs.get(p, p)),
+        )
         assert target.serve_command(serve) == command_line(deployed)
         assert len(local) == len(deployed), kind
-        assert local[0] == local_program(deployed[0]) and (local[0] == deployed[0]) == (kind != "gguf")
+        assert local[0] == (programs["llama-server"] if kind == "gguf" else deployed[0]), kind
         changed = [(d, x) for d, x in zip(deployed[1:], local[1:], strict=True) if d != x]
         assert changed == [("0.0.0.0", "127.0.0.1"), ("8000", "5555")], (kind, changed)
 
@@ -139,14 +142,17 @@ def test_a_gguf_over_several_gpus_gets_llama_cpp_servers_split_flags(mode: str, 
     argv = gguf.serve_argv(gguf.serve_spec(ServeSpec(llamacpp={"split_mode": mode, "n_gpu_layers": -1})))
     assert argv[argv.index("-sm") + 1] == mode and argv[argv.index("-ts") + 1] == "1,1,1"
     assert argv[argv.index("-ngl") + 1] == "all"
-    server = subprocess.run([local_program(argv[0]), "--help"], capture_output=True, text=True, check=False)
+    from pipeline.workers import llamacpp
+
+    server = subprocess.run(
+        [str(llamacpp.tool(argv[0])), "--help"], capture_output=True, text=True, check=False
+    )
     for flag in ("-m,    --model FNAME", "-c,    --ctx-size N", "-np,   --parallel N", "-ngl,  --gpu-layers",
                  "-sm,   --split-mode {none,layer,row,tensor}", "-ts,   --tensor-split N0,N1,N2",
                  "--host HOST", "--port PORT", "-t,    --threads N"):  # fmt: skip
         assert flag in server.stdout + server.stderr, flag
 
     from pipeline.targets.gguf import split_request
-    from pipeline.workers import llamacpp
 
     request = {
         "gguf_path": "m.gguf",

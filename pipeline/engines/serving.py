@@ -14,11 +14,11 @@ from __future__ import annotations
 import shlex
 import socket
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from pipeline.context import BuildContext
-from pipeline.environments import local_program
 from pipeline.errors import EngineError
 from pipeline.manifest import EngineVerdict
 from pipeline.spec import ServeSpec
@@ -37,11 +37,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def local_argv(serve_argv: ServeArgv, serve: ServeSpec, port: int) -> list[str]:
+def local_argv(
+    serve_argv: ServeArgv, serve: ServeSpec, port: int, locate: Callable[[str], str] = str
+) -> list[str]:
     """The deploy command as the build runs it here: the recipe's knobs on a loopback `port`
-    (built so, not patched into a recorded command), its program this host's copy."""
+    (built so, not patched into a recorded command), its program where `locate` (the engine
+    environment's BuildContext.program) finds it on this host."""
     program, *args = serve_argv(serve.model_copy(update={"host": LOOPBACK, "port": port}))
-    return [local_program(program), *args]
+    return [locate(program), *args]
 
 
 def command_line(argv: list[str]) -> str:
@@ -91,7 +94,7 @@ def serve_check(
             {
                 "op": "serve_check",
                 "model_dir": str(artifact),
-                "argv": local_argv(serve_argv, serve, port) + eager,
+                "argv": local_argv(serve_argv, serve, port, partial(ctx.program, env)) + eager,
                 "port": port,
                 "prompt_ids": ref["generations"][0]["prompt_ids"],
                 "max_tokens": ctx.loaded.recipe.smoke.max_new_tokens,
@@ -106,8 +109,7 @@ def serve_check(
         )
     except EngineError as exc:  # the server never answered: the offline scores still stand
         result.details["serve_check"] = {"ok": False, "command": checked, "modes": modes, "error": str(exc)}
-        result.status = "failed"
-        result.reason = f"the serve check's server did not answer: {exc}"
+        _fail(result, f"the serve check's server did not answer: {exc}")
         return
     served["modes"] = modes
     result.details["serve_check"] = served
@@ -117,8 +119,14 @@ def serve_check(
     gap = at.get("gap_nats")
     rated = f"{gap:.3f} nats below the offline choice" if gap is not None else "not a near-tie"
     where = f" from token {at['position']} ({rated})" if at else ""
-    result.status = "failed"
-    result.reason = (
+    _fail(
+        result,
         f"the served answer differs from the offline greedy answer ({served['compared']}){where}: "
-        f"{served['text']!r} {served['token_ids']} vs {expected['text']!r} {expected['output_ids']}"
+        f"{served['text']!r} {served['token_ids']} vs {expected['text']!r} {expected['output_ids']}",
     )
+
+
+def _fail(result: EngineVerdict, why: str) -> None:
+    """The serve check fails the verdict; a reason it already failed for (a gate) stays first."""
+    result.status = "failed"
+    result.reason = f"{result.reason}; {why}" if result.reason else why

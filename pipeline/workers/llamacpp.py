@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.constants import GGUF_QUANTS, LLAMA_SERVER, LLAMACPP_SPLIT_MODES
-from pipeline.environments import llama_cpp_dir as _llama_cpp_dir
 from pipeline.workers.calibration import bos_windows, calibration_chunks, read_text
 from pipeline.workers.protocol import installed_versions, worker_main
 from pipeline.workers.scoring import (
@@ -34,12 +33,14 @@ from pipeline.workers.scoring import (
 )
 from pipeline.workers.serving import TIE_TOP, post_json, serve_check
 
-TOOLS = ("llama-imatrix", "llama-perplexity", LLAMA_SERVER)
-
 
 def llama_cpp_dir() -> Path:
-    """The converter and tools directory of this environment's llama-cpp-python."""
-    return _llama_cpp_dir(Path(sys.prefix))
+    """The converter directory that belongs to this environment's llama-cpp-python."""
+    override = os.environ.get("PIPELINE_LLAMA_CPP_DIR")
+    return Path(override) if override else Path(sys.prefix) / "share" / "pipeline" / "llama.cpp"
+
+
+TOOLS = ("llama-imatrix", "llama-perplexity", LLAMA_SERVER)
 
 
 def tool(name: str) -> Path:
@@ -87,8 +88,11 @@ def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
     for lib in sorted((llama_cpp_dir() / "bin").glob("lib*.so*")):
         toolchain[f"{lib.name}-sha256"] = hashlib.sha256(lib.read_bytes()).hexdigest()
     _ = gguf  # imported to prove the vendored gguf-py is importable here
+    server = llama_cpp_dir() / "bin" / LLAMA_SERVER
     return {
         "toolchain": toolchain,
+        # the deploy command's program as this host runs it (the serve check, the benchmark)
+        "programs": {LLAMA_SERVER: str(server)} if server.is_file() else {},
         "cmake_args": build.get("cmake_args"),
         "system_info": llama_cpp.llama_print_system_info().decode().strip(),
         "converter": str(converter),

@@ -227,6 +227,8 @@ class Reply(BaseModel):
 
 class ToolchainReply(Reply):
     toolchain: dict[str, str | None]
+    # a deploy command's programs as this host runs them: llama-server -> the build's copy
+    programs: dict[str, str] = {}
 
 
 class Scores(Reply):

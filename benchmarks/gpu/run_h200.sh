@@ -8,6 +8,7 @@
 #                                           raw repeats of the step ops R (default all)
 #   benchmarks/gpu/run_h200.sh qwen2-7b T R 7B-shaped random checkpoint, targets T of
 #                                           benchmarks/gpu/qwen2-7b-shape.yaml (T=gguf: the Llama-declared one;
+#                                           GGUF_TARGETS: some of its three GGUF targets;
 #                                           SHAPE=qwen2.5-32b: the 32B shape, qwen2.5-32b-shape.yaml;
 #                                           SERVING=1: the serving table, qwen2-7b-serving(-llama).yaml
 #                                           (SOURCE_ROW=first|last|0: where the bf16 source row runs),
@@ -224,7 +225,8 @@ case "${1:-}" in
     fi
     flock -u 9
     recipe=$WORK/$shape-shape.yaml targets=${2:-modelopt-fp8}
-    [ "$arch" = llama ] && [ "$shape" = qwen2-7b ] && recipe=$WORK/qwen2-7b-shape-llama.yaml targets=gguf-q8_0,gguf-q4_0,gguf-iq4_xs
+    [ "$arch" = llama ] && [ "$shape" = qwen2-7b ] && recipe=$WORK/qwen2-7b-shape-llama.yaml \
+      targets=${GGUF_TARGETS:-gguf-q8_0,gguf-q4_0,gguf-iq4_xs}  # GGUF_TARGETS=gguf-q4_0: fewer
     # SERVING=1: the serving table's recipes (issue 26), the GPU to itself; raw step `serve` adds the
     # engines called with their defaults; the bf16 source's own row comes first (not for T=gguf), or
     # last with SOURCE_ROW=last (the artifacts' rows first where the device time may run out), or not

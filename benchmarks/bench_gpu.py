@@ -42,7 +42,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pipeline.constants import ENGINES, ENV_GUIDELLM, GGUF_BASE_OUTTYPE, GGUF_FILE, GGUF_QUANTS, LLAMA_SERVER  # noqa: E402
+from pipeline.constants import (  # noqa: E402
+    ENGINES,
+    ENV_GUIDELLM,
+    GGUF_BASE_OUTTYPE,
+    GGUF_FILE,
+    GGUF_QUANTS,
+    LLAMA_SERVER,
+)
 from pipeline.decode_bound import checkpoint_weights_read, decode_bound, kv_bytes_per_context_token  # noqa: E402
 from pipeline.engines.serving import ARTIFACT_DIR, free_port, local_argv  # noqa: E402
 from pipeline.environments import UsageSampler, environment, local_gpu_name, run_step  # noqa: E402

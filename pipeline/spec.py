@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.artifacts import cache_root
-from pipeline.constants import BUILTIN_TEXTS, ENGINES, STEP_LIMITS_S
+from pipeline.constants import BUILTIN_TEXTS, ENGINE_LLAMACPP, ENGINES, STEP_LIMITS_S
 from pipeline.texts import HF_PREFIX, dataset_text, parse_hf_ref
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -129,11 +129,15 @@ class Gates(Strict):
     min_token_agreement: float = Field(0.0, ge=0, le=1)
 
 
+LLAMA_SLOT_STEP = 256  # llama.cpp pads each slot's context to a multiple of this (llama_context)
+
+
 class LlamaCppServe(Strict):
     """llama.cpp's own server, `llama-server`: continuous batching over `parallel` slots."""
 
     # the KV cache in tokens over all slots (llama-server's -c beside an explicit -np): each slot
-    # holds n_ctx // parallel, and a request longer than its slot is refused
+    # holds n_ctx // parallel, which llama.cpp sizes in steps of 256 (so must the recipe: what it
+    # records is then what the server holds), and a request longer than its slot is refused
     n_ctx: int = Field(4096, ge=16)
     # requests decoded together (llama-server's slots, -np); more wait for a free slot
     parallel: int = Field(4, ge=1, le=256)
@@ -144,10 +148,11 @@ class LlamaCppServe(Strict):
     split_mode: Literal["layer", "row", "tensor"] = "layer"
 
     @model_validator(mode="after")
-    def _slots_hold_a_request(self) -> LlamaCppServe:
-        if self.slot_tokens < 16:
+    def _slots_of_whole_steps(self) -> LlamaCppServe:
+        if self.slot_tokens < LLAMA_SLOT_STEP or self.n_ctx % (self.parallel * LLAMA_SLOT_STEP):
             raise ValueError(
-                f"n_ctx {self.n_ctx} over {self.parallel} slots leaves {self.slot_tokens} a slot"
+                f"n_ctx {self.n_ctx} over {self.parallel} slots: llama.cpp sizes each slot in steps of "
+                f"{LLAMA_SLOT_STEP} tokens, so n_ctx must be parallel x a multiple of {LLAMA_SLOT_STEP}"
             )
         return self
 
@@ -360,7 +365,7 @@ class TargetSpec(Strict):
     kind: str
     gates: Gates
     # GPUs this target's server shards it over (vLLM --tensor-parallel-size, SGLang --tp, llama.cpp
-    # --split_mode/--tensor_split), validation included; None: the recipe's serve.tp_size. Left out
+    # -sm/-ts), validation included; None: the recipe's serve.tp_size. Left out
     # of the spec's dump (so no inputs hash moved): the serve command and manifest serve.tp_size
     # carry it. TensorRT-LLM's target redeclares it: an engine is built for its size.
     tp_size: int | None = Field(None, ge=1, le=64, exclude=True)
@@ -452,10 +457,12 @@ class Recipe(Strict):
     @model_validator(mode="after")
     def _benchmarked_requests_fit_llamacpp_slots(self) -> Recipe:
         spec, knobs = self.serving_benchmark, self.serve.llamacpp
-        if not any(t.kind == "gguf" and spec.benchmarks(n) for n, t in self.targets.items()):
+        served = spec.engines_of(ENGINE_LLAMACPP, [])  # not with `engines: [sglang]`
+        if not served or not any(t.kind == "gguf" and spec.benchmarks(n) for n, t in self.targets.items()):
             return self
         for w in spec.workloads():
-            if w["prompt_tokens"] + w["output_tokens"] > knobs.slot_tokens:
+            # one token to spare: llama-server adds a BOS to a text prompt where the GGUF asks for one
+            if w["prompt_tokens"] + w["output_tokens"] >= knobs.slot_tokens:
                 raise ValueError(
                     f"serving_benchmark: {workload_shape(w)} tokens do not fit a llama-server slot of "
                     f"{knobs.slot_tokens} (serve.llamacpp n_ctx {knobs.n_ctx} over parallel {knobs.parallel})"

@@ -95,7 +95,12 @@ def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_art
     ], ops
     # the deploy command, llama-server, answered the first smoke prompt as llama-cpp-python did
     served = verdict["details"]["serve_check"]
-    assert served["ok"] and served["compared"] == "token_ids" and served["modes"].startswith("offline vs")
+    assert (
+        served["ok"]
+        and served["compared"] == "token_ids"
+        and served["modes"]
+        == ("flash-attention-off offline vs flash-attention-off server (the deploy command + -fa off)")
+    )
     assert served["token_ids"] == verdict["generations"][0]["output_ids"] and served["ready_s"] > 0
     # a step shorter than the RSS sampler's period may be sampled only as it starts (kld: 0.3 s)
     assert all(s["seconds"] > 0 and s["peak_rss_mib"] > 0 for s in f16["build"]["steps"])

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.context import BuildContext
 from tests.conftest import REPO
 
 KIT = REPO / "benchmarks" / "gpu" / "run_h200.sh"
@@ -276,15 +277,16 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
 
     def load(env_name: str, request: dict, log: Path, timeout_s: float) -> dict:
         sent.append(request)
-        flash = "--flash_attn" in request["argv"]
+        flash = "-fa" in request["argv"]
         levels = [_level(1, 150.0 if flash else 100.0), _level(4, 200.0 if flash else 250.0)]
         return {"runs": [{"seconds": 1.0, "levels": levels}]}
 
     monkeypatch.setattr(bench, "run_step", load)
+    monkeypatch.setattr(BuildContext, "program", lambda self, env, name: f"/here/{name}")  # no worker
     monkeypatch.setitem(
         bench.SERVE_SETTINGS,
         "llama.cpp",
-        {"flash attention": ({}, ["--flash_attn", "true"]), "a variable": ({"KIT_TEST_VAR": "1"}, [])},
+        {"flash attention": ({}, ["-fa", "on"]), "a variable": ({"KIT_TEST_VAR": "1"}, [])},
     )
     monkeypatch.setenv("KIT_TEST_VAR", "0")
     serving = {"status": "passed", "decode_bound": {"bound_tokens_per_s": 400.0}}
@@ -308,7 +310,8 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
         [a for a, before in zip(r["argv"], [None, *r["argv"]][:-1], strict=True) if before != "--port"]
         for r in sent
     )
-    assert flash == [*recorded, "--flash_attn", "true"] and "-np" in recorded  # each on its own port
+    assert flash == [*recorded, "-fa", "on"] and "-np" in recorded  # each on its own port
+    assert recorded[0] == "/here/llama-server"  # the program where its toolchain says it is
     assert again == recorded and list(got["settings"])[-1] == "as recorded, again"  # the spread, last
     rows = got["settings"]
     assert rows["as recorded"]["ratio"] == 1.0 and rows["as recorded"]["share_of_bound"] == 0.25
@@ -335,6 +338,7 @@ def test_the_raw_side_is_compared_per_workload_and_a_failed_further_workload_say
     raw = {"runs": [{"seconds": 9.0, "levels": [_level(1, 200.0), _level(4, 500.0)]},
                     {"error": "the server died during the benchmark: out of memory"}]}  # fmt: skip
     monkeypatch.setattr(bench, "run_step", lambda *a, **k: raw)
+    monkeypatch.setattr(BuildContext, "program", lambda self, env, name: f"/here/{name}")  # no worker
     levels = {"1": _level(1, 190.0), "4": _level(4, 520.0)}
     ours = {
         "status": "passed",

@@ -4,6 +4,7 @@ files of the tiny Llama: the numbers that must hold, and the failures that must 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -217,3 +218,41 @@ def test_tools_that_ship_shared_libraries_record_them_in_the_toolchain(
     shared = llamacpp.op_toolchain({})["toolchain"]
     assert shared.pop("libllama-common.so.0-sha256") == hashlib.sha256(b"code").hexdigest()
     assert shared == static
+
+
+def test_the_serve_checks_near_ties_are_read_at_each_answer_tokens_own_step() -> None:
+    """_top_logprobs: after one pass over prompt + answer, row P-1+j is the distribution answer
+    token j was chosen from (llama.cpp's logits_all rows), so each step's top entry is that token."""
+    from pipeline.workers.llamacpp import _top_logprobs
+
+    prompt, answer = [5, 6, 7], [2, 3]
+    rows = np.zeros((len(prompt) + len(answer), 10), dtype=np.float32)
+    for i, best in enumerate([9, 9, 2, 3, 9]):  # row 2 (after the prompt's last token) chose 2, ...
+        rows[i, best] = 4.0
+        rows[i, 8] = 3.95  # a near-tie, 0.05 below
+
+    class Logits:
+        scores: np.ndarray
+
+        def reset(self) -> None:
+            self.scores = np.empty((0, 10))
+
+        def eval(self, ids: list[int]) -> None:
+            self.scores = rows[: len(ids)]
+
+    top = _top_logprobs(Logits(), prompt, answer)
+    assert [max(step, key=lambda t: step[t]) for step in top] == ["2", "3"]
+    assert all(len(step) == 5 and max(step.values()) < 0 for step in top)
+    assert top[0]["2"] - top[0]["8"] == pytest.approx(0.05, abs=1e-5)
+    assert _top_logprobs(Logits(), prompt, []) == []
+
+
+def test_llama_cpps_threads_follow_the_request_then_the_openmp_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pipeline.workers.llamacpp import _threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _threads({"threads": 2}) == 2 and _threads({"threads": 0}) == 3 and _threads({}) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert _threads({}) == (os.cpu_count() or 1)

@@ -125,6 +125,19 @@ def test_a_server_that_stops_is_reported_by_its_error_line() -> None:
         "llama.cpp error: start: couldn't bind HTTP server socket, hostname: 127.0.0.1, port: 44963; "
         "llama_server: exiting due to HTTP server error"
     )
+    # ...and a model it cannot load: the library's own error line (no component) is the cause
+    bad_model = (
+        "0.00.017.591 I srv    load_model: loading model '/a/model.gguf'\n"
+        "0.00.018.002 E llama_model_load: error loading model: tensor 'blk.0.attn_q.weight' data is not "
+        "within the file bounds\n"
+        "0.00.018.010 E llama_model_load_from_file_impl: failed to load model\n"
+        "0.00.018.020 E srv    load_model: failed to load model, '/a/model.gguf'\n"
+        "0.00.018.100 E srv  llama_server: exiting due to model loading error\n"
+    )
+    assert last_error_line(bad_model) == (
+        "llama.cpp error: llama_model_load: error loading model: tensor 'blk.0.attn_q.weight' data is "
+        "not within the file bounds; llama_server: exiting due to model loading error"
+    )
     # a serve check's vLLM server on the H200 (2026-12-04): the front end's last line only points
     # at the engine core's cause, which the verdict must name
     core = (

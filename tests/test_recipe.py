@@ -92,12 +92,18 @@ def test_a_benchmarked_gguf_needs_llama_server_slots_that_hold_each_workload(tmp
         "serving_benchmark: 2048/256 tokens do not fit a llama-server slot of 1024 "
         "(serve.llamacpp n_ctx 8192 over parallel 8)"
     ) in _error(tmp_path, serving_benchmark=bench, serve=serve)
-    fits = {"llamacpp": {"n_ctx": 8192 * 4, "parallel": 8}}
+    fits = {"llamacpp": {"n_ctx": 2560 * 8, "parallel": 8}}
     assert load_recipe(write_recipe(tmp_path / "fits.yaml", serving_benchmark=bench, serve=fits))
     awq = {"awq": {"kind": "awq", "gates": {"max_ppl_delta_pct": 5, "max_kld_topk_mean": 0.1}}}
     assert load_recipe(write_recipe(tmp_path / "awq.yaml", serving_benchmark=bench, serve=serve, targets=awq))
-    too_many = {"llamacpp": {"n_ctx": 64, "parallel": 8}}
-    assert "n_ctx 64 over 8 slots leaves 8 a slot" in _error(tmp_path, serve=too_many)
+    edge = {"llamacpp": {"n_ctx": 2304 * 8, "parallel": 8}}  # 2048 + 256 and no token for a BOS
+    assert "do not fit a llama-server slot of 2304" in _error(tmp_path, serving_benchmark=bench, serve=edge)
+    sglang_only = {**bench, "engines": ["sglang"]}  # no GGUF is benchmarked through llama.cpp
+    assert load_recipe(write_recipe(tmp_path / "sg.yaml", serving_benchmark=sglang_only, serve=serve))
+    for n_ctx, parallel in ((64, 8), (4096 + 128, 4)):  # slots of 8 tokens; of 1056 (not 4 x 256 steps)
+        assert (
+            f"n_ctx {n_ctx} over {parallel} slots: llama.cpp sizes each slot in steps of 256 tokens"
+        ) in _error(tmp_path, serve={"llamacpp": {"n_ctx": n_ctx, "parallel": parallel}})
 
 
 def test_each_level_runs_whole_waves_of_its_concurrency() -> None:
@@ -119,7 +125,7 @@ def test_more_workloads_run_after_the_first_and_only_they_move_the_inputs_hash(t
     }  # fmt: skip
     assert one.workloads() == [one.workload()]
     more = {**first, "more_workloads": [{"prompt_tokens": 2048, "output_tokens": 256}]}
-    slots = {"llamacpp": {"n_ctx": 4 * 2304}}  # four llama-server slots that hold 2048 + 256
+    slots = {"llamacpp": {"n_ctx": 4 * 2560}}  # four llama-server slots that hold 2048 + 256
     two_path = write_recipe(tmp_path / "two.yaml", serving_benchmark=more, serve=slots)
     two = load_recipe(two_path).recipe.serving_benchmark
     assert two.workload() == one.workload()  # the first, as the manifest's `workload` records it

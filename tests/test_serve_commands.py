@@ -309,3 +309,27 @@ def test_another_engine_s_deploy_command_is_part_of_the_inputs(tmp_path: Path) -
     before, after = hashes(0.8), hashes(0.7)
     assert after["awq"] != before["awq"]
     assert after["gguf-q8_0"] == before["gguf-q8_0"]
+
+
+def test_a_deploy_commands_program_is_where_its_environments_toolchain_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BuildContext.program: `python` as it is, without asking (the worker runs its environment's
+    interpreter); llama-server where the llama.cpp toolchain names it; a program no toolchain
+    names, from the PATH."""
+    from pipeline.context import BuildContext
+    from pipeline.project import Project
+    from tests.conftest import empty_checkpoint, write_recipe
+
+    empty_checkpoint(tmp_path / "model")
+    ctx = Project.open(write_recipe(tmp_path / "r.yaml")).context()
+    asked: list[str] = []
+
+    def toolchain(self: BuildContext, env: str) -> dict:
+        asked.append(env)
+        return {"toolchain": {}, "programs": {"llama-server": "/opt/llama.cpp/bin/llama-server"}}
+
+    monkeypatch.setattr(BuildContext, "toolchain", toolchain)
+    assert ctx.program("vllm", "python") == "python" and asked == []
+    assert ctx.program("llamacpp", "llama-server") == "/opt/llama.cpp/bin/llama-server"
+    assert ctx.program("trtllm", "trtllm-serve") == "trtllm-serve"

@@ -97,11 +97,13 @@ print('llama.cpp CUDA build:', l.__version__, 'GPU offload', l.llama_supports_gp
     if [ -f llama-cuda-tools.tgz ] && [ -d /tmp/pipeline-site/core/llama_cpp/lib ]; then
       bin=/tmp/pipeline-site/llama.cpp/bin && new=/tmp/pipeline-site/llama.cpp/bin-cuda
       rm -rf "$new" && mkdir -p "$new" "$bin" && tar -C "$new" -xzf llama-cuda-tools.tgz
-      if "$new/llama-perplexity" --version >/dev/null 2>&1; then
+      if "$new/llama-perplexity" --version >/dev/null 2>&1 \
+        && { [ ! -e "$new/llama-server" ] || "$new/llama-server" --version >/dev/null 2>&1; }; then
         cp -a "$new"/. "$bin"/ && echo "llama.cpp CUDA tools: $(ls "$new" | tr '\n' ' ')"
       else
         echo "llama.cpp CUDA tools do not start here (the CPU build's stay):"
-        { "$new/llama-perplexity" --version 2>&1 | tail -n 3; } || true  # said; install goes on
+        { "$new/llama-perplexity" --version 2>&1 | tail -n 3; "$new/llama-server" --version 2>&1 | tail -n 3; } \
+          || true  # said; install goes on
       fi
       rm -rf "$new"
     fi

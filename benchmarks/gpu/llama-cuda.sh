@@ -11,7 +11,7 @@
 # Env: SDIST (default ~/.cache/pipeline/sdist/llama_cpp_python-0.3.36.tar.gz), PYTHON (python3),
 # TOOLS_ONLY=1 (step 4 alone, on OUT_DIR/build as steps 2-3 left it).
 # 37.6 min on this project's 2-core CPU host (2026-12-05, nice 19, 2 jobs; 144 CUDA objects, ~53 CPU-min);
-# the slimmed wheel is 43.8 MiB: keep it under .whl/ with OUT_DIR/llama-cuda-tools.tgz (step 4, 1.9 MiB),
+# the slimmed wheel is 43.8 MiB: keep it under .whl/ with OUT_DIR/llama-cuda-tools.tgz (step 4, 3.0 MiB),
 # carry.sh carries both in one call and installs them.
 set -euo pipefail
 OUT=${1:?usage: $0 OUT_DIR [CUDA_DIR]}
@@ -82,9 +82,10 @@ fi
 # llama-imatrix, llama-server without its web UI; without them GGUF steps there fall back to the CPU
 # build's static tools), linked to the wheel's
 # libraries: the kept build reconfigured with the tools on (the package's own mtmd off: tools/ adds
-# it too), so only the tools compile (2026-12-05: 6 steps, seconds). The sdist is laid again where
+# it too), so only the tools compile (2026-12-05: 6 steps, seconds; 2026-12-06 with llama-server and
+# the reconfigured common library: 136 steps, 6 min at nice 19). The sdist is laid again where
 # the wheel's build read it (pip's temporary source dir), with its archived mtimes: older than the
-# objects, nothing recompiles. RUNPATH: the two libraries packed beside the tools ($ORIGIN), then
+# objects, nothing recompiles. RUNPATH: the libraries packed beside the tools ($ORIGIN), then
 # the wheel's ($ORIGIN/../../core/llama_cpp/lib: carry.sh's /tmp/pipeline-site layout).
 src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$OUT/build/CMakeCache.txt")
 [ -f "$src/CMakeLists.txt" ] || { mkdir -p "$src" && tar -xzf "$SDIST" --strip-components=1 -C "$src"; }

@@ -1,10 +1,12 @@
-"""The serve check on the core side, shared by the engines that serve over HTTP (vLLM, SGLang):
-the engine's worker runs the manifest's serve command once (pipeline.workers.serving), and a served
-answer that leaves the offline greedy answer fails that engine's verdict.
+"""The serve check on the core side, shared by the engines that serve over HTTP (vLLM, SGLang,
+llama.cpp's llama-server): the engine's worker runs the manifest's serve command once
+(pipeline.workers.serving), and a served answer that leaves the offline greedy answer fails that
+engine's verdict.
 
 Like is compared with like: the offline answer comes from an eager engine (no CUDA graphs, no
-compilation), so the server runs the deploy command in eager mode too, adding the engine's eager
-flag where the command lacks it. CUDA graphs and torch.compile may round a near-tie the other way,
+compilation; llama-cpp-python: no flash attention), so the server runs the deploy command in that
+mode too, adding the engine's arguments for it (OfflineMode) where the command lacks them. CUDA
+graphs and torch.compile may round a near-tie the other way,
 and on random weights nearly every greedy step is a near-tie (a 7B random-weight FP8 checkpoint's
 compiled server chose a token outside the eager engine's top-5). `serve_check.modes` records which
 comparison was made; the deploy command in the manifest stays as the recipe wrote it."""
@@ -14,6 +16,7 @@ from __future__ import annotations
 import shlex
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,15 @@ ARTIFACT_DIR = "${ARTIFACT_DIR}"  # where a deploy job puts the artifact, substi
 LOOPBACK = "127.0.0.1"
 # A target's deploy command builder (Target.serve_argv): the recipe's serve section -> argv.
 ServeArgv = Callable[[ServeSpec], list[str]]
+
+
+@dataclass(frozen=True)
+class OfflineMode:
+    """How an engine scored offline, and the server arguments that make its deploy command run
+    the same way for the serve check (vLLM: eager, `--enforce-eager`)."""
+
+    name: str
+    args: tuple[str, ...]
 
 
 def free_port() -> int:
@@ -69,32 +81,29 @@ def serve_check(
     serve_argv: ServeArgv,
     scores: dict[str, Any],
     result: EngineVerdict,
-    eager_flag: str | None,
+    offline: OfflineMode,
 ) -> None:
     """Run the deploy command (`serve_argv` of the recipe's serve section, on a free loopback port)
     for `artifact` in env's worker and record it in `result.details["serve_check"]`; `scores` is
-    the same engine's offline result (its greedy answer and top logprobs), obtained eagerly;
-    `eager_flag` is the server's flag that makes it eager too (None: an engine with one mode)."""
+    the same engine's offline result (its greedy answer and top logprobs), obtained in `offline`'s
+    mode, whose arguments put the server in that mode too."""
     ref, _ = ctx.reference()
     expected = scores["generations"][0]
     serve, port = ctx.serve(name), free_port()
     deployed = serve_argv(serve)
-    as_deployed = eager_flag is None or eager_flag in deployed
-    eager = [] if as_deployed or eager_flag is None else [eager_flag]
-    checked = command_line(deployed + eager)  # what the record says was served
-    if eager_flag is None:
-        modes = "offline vs server (the deploy command as it is)"
-    else:
-        modes = "eager offline vs eager server (" + (
-            "the deploy command as it is)" if as_deployed else f"the deploy command + {eager_flag})"
-        )
+    n = len(offline.args)
+    as_deployed = any(deployed[i : i + n] == list(offline.args) for i in range(len(deployed)))
+    same = [] if as_deployed else list(offline.args)
+    checked = command_line(deployed + same)  # what the record says was served
+    added = "as it is" if as_deployed else "+ " + " ".join(offline.args)
+    modes = f"{offline.name} offline vs {offline.name} server (the deploy command {added})"
     try:
         served = ctx.step(
             env,
             {
                 "op": "serve_check",
                 "model_dir": str(artifact),
-                "argv": local_argv(serve_argv, serve, port, partial(ctx.program, env)) + eager,
+                "argv": local_argv(serve_argv, serve, port, partial(ctx.program, env)) + same,
                 "port": port,
                 "prompt_ids": ref["generations"][0]["prompt_ids"],
                 "max_tokens": ctx.loaded.recipe.smoke.max_new_tokens,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pipeline.constants import ENGINE_SGLANG, ENV_SGLANG
 from pipeline.context import BuildContext
-from pipeline.engines.serving import ARTIFACT_DIR, command_line, serve_check
+from pipeline.engines.serving import ARTIFACT_DIR, OfflineMode, command_line, serve_check
 from pipeline.environments import environment
 from pipeline.errors import EngineError
 from pipeline.manifest import EngineVerdict
@@ -19,6 +19,7 @@ from pipeline.validation import not_run, verdict
 
 VALIDATE_TIMEOUT_S = 1800
 EAGER_FLAG = "--disable-cuda-graph"  # the offline engine's mode (disable_cuda_graph), for the serve check
+OFFLINE = OfflineMode("eager", (EAGER_FLAG,))
 
 
 def serve_argv(serve: ServeSpec, quantization: str | None, dtype: str) -> list[str]:
@@ -90,7 +91,7 @@ def validate(
         )  # fmt: skip
         ctx.reporter.step(name, "serving once through sglang.launch_server")
         argv = partial(serve_argv, quantization=quantization, dtype=dtype)
-        serve_check(ctx, ENV_SGLANG, name, artifact, argv, got, result, EAGER_FLAG)
+        serve_check(ctx, ENV_SGLANG, name, artifact, argv, got, result, OFFLINE)
     except EngineError as exc:  # SGLang's crash is SGLang's verdict; the vLLM one still stands
         return not_run("failed", str(exc), **details)
     return result

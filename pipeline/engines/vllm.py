@@ -11,13 +11,14 @@ from typing import Any
 
 from pipeline.constants import ENGINE_VLLM, ENV_VLLM
 from pipeline.context import BuildContext
-from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv, serve_check
+from pipeline.engines.serving import ARTIFACT_DIR, OfflineMode, ServeArgv, serve_check
 from pipeline.manifest import EngineVerdict
 from pipeline.spec import Gates, ServeSpec
 from pipeline.validation import not_run, verdict
 
 VALIDATE_TIMEOUT_S = 1800
 EAGER_FLAG = "--enforce-eager"  # the offline engine's mode (enforce_eager), for the serve check
+OFFLINE = OfflineMode("eager", (EAGER_FLAG,))
 
 
 def serve_argv(serve: ServeSpec, quantization: str | None, dtype: str) -> list[str]:
@@ -132,5 +133,5 @@ def validate(
     )
     if serve_argv is not None:
         ctx.reporter.step(name, "serving once through vLLM's OpenAI server")
-        serve_check(ctx, ENV_VLLM, name, artifact, serve_argv, got, result, EAGER_FLAG)
+        serve_check(ctx, ENV_VLLM, name, artifact, serve_argv, got, result, OFFLINE)
     return result

@@ -20,7 +20,7 @@ from pipeline.constants import (
 )
 from pipeline.context import BuildContext
 from pipeline.decode_bound import weights_read_per_token
-from pipeline.engines.serving import ARTIFACT_DIR, serve_check
+from pipeline.engines.serving import ARTIFACT_DIR, OfflineMode, serve_check
 from pipeline.hashing import file_sha256
 from pipeline.manifest import Metrics, Validation
 from pipeline.spec import ServeSpec
@@ -38,6 +38,9 @@ KLD_BASE_FILE = "kld-base.bin"
 # their Q8_0/IQ4_XS paths differ, not yet explained); the fp32 reference vs the F16 GGUF 0.004 %.
 SAME_GGUF_PPL_RTOL = 0.01  # the artifact's PPL: llama-cpp-python vs llama-perplexity
 REFERENCE_BASE_PPL_RTOL = 0.01  # the reference's PPL (fp32 or bf16 transformers) vs llama-perplexity's F16
+# llama-cpp-python scores without flash attention (its default); llama-server's default, auto, turns
+# it on where the backend has it: the serve check runs the server without it too
+OFFLINE = OfflineMode("flash-attention-off", ("-fa", "off"))
 
 
 @register
@@ -121,7 +124,7 @@ class GgufTarget(Target):
             ctx.reporter.step(name, "converting HF checkpoint to GGUF")
             ctx.step(ENV_LLAMACPP, _convert_request(ctx, tmp / BASE_FILE, GGUF_BASE_OUTTYPE), name)
 
-        inputs = {"source": ctx.source.sha256, "toolchain": ctx.versions(ENV_LLAMACPP)}
+        inputs = {"source": ctx.source.sha256, "toolchain": cache_versions(ctx, ENV_LLAMACPP)}
         return ctx.cached(f"gguf-base-{GGUF_BASE_OUTTYPE}", inputs, convert) / BASE_FILE
 
     def _imatrix(self, ctx: BuildContext, name: str, base: Path) -> tuple[Path, dict[str, Any]]:
@@ -167,7 +170,7 @@ class GgufTarget(Target):
             **record,
             "tool": self.imatrix_tool,
             "base": read_key(base.parent),  # the F16 base's own inputs (not a hash of its 15 GB at 7B)
-            "toolchain": ctx.versions(env),
+            "toolchain": cache_versions(ctx, env),
             "selection": SELECTION_VERSION,
         }
         path = ctx.cached(f"imatrix-{self.imatrix_tool}", inputs, compute)
@@ -220,7 +223,7 @@ class GgufTarget(Target):
             result.status = "failed"
             result.reason = "; ".join([result.reason, *problems] if result.reason else problems)
         ctx.reporter.step(name, "serving once through llama-server")
-        serve_check(ctx, ENV_LLAMACPP, name, artifact, self.serve_argv, got, result, None)
+        serve_check(ctx, ENV_LLAMACPP, name, artifact, self.serve_argv, got, result, OFFLINE)
         return Validation.of(ENGINE_LLAMACPP, {ENGINE_LLAMACPP: result}, reference_record(ref))
 
     def _llama_perplexity(self, ctx: BuildContext, name: str, artifact: Path) -> dict[str, Any]:
@@ -250,7 +253,7 @@ class GgufTarget(Target):
             "eval_text": file_sha256(text),
             "ctx": ev.ctx,
             "chunks": chunks,
-            "toolchain": ctx.versions(ENV_LLAMACPP),
+            "toolchain": cache_versions(ctx, ENV_LLAMACPP),
         }
         kld_base = ctx.cached(f"gguf-kld-base-{GGUF_BASE_OUTTYPE}", inputs, compute)
         ctx.reporter.step(name, "llama-perplexity --kl-divergence against the F16 GGUF")
@@ -280,8 +283,9 @@ class GgufTarget(Target):
         return weights_read_per_token(inspected["tensor_bytes"])
 
     def serve_argv(self, serve: ServeSpec) -> list[str]:
-        """llama.cpp's own `llama-server` (the build's copy: `<llama.cpp dir>/bin`), every knob
-        explicit: its defaults (auto slots, auto GPU layers) depend on the host."""
+        """llama.cpp's own `llama-server` (a deploy host's build of the commit the toolchain names;
+        here, the build's copy): the knobs whose defaults depend on the host (auto slots, auto GPU
+        layers) explicit, the others (flash attention, batch sizes, prompt cache) llama.cpp's."""
         knobs = serve.llamacpp
         layers = "all" if knobs.n_gpu_layers == -1 else str(knobs.n_gpu_layers)
         argv = [LLAMA_SERVER, "-m", f"{ARTIFACT_DIR}/{GGUF_FILE}", "--host", serve.host]
@@ -299,6 +303,12 @@ class GgufTarget(Target):
             argv += ["-sm", knobs.split_mode, "-ts", ",".join(["1"] * serve.tp_size)]
         argv += ["-t", str(knobs.n_threads)] if knobs.n_threads else []
         return argv
+
+
+def cache_versions(ctx: BuildContext, env: str) -> dict[str, str | None]:
+    """env's versions as a shared cache's key (the F16 base, the imatrix, the KL base): all but
+    the server's, which makes none of them (its build moves each GGUF target's own hash only)."""
+    return {k: v for k, v in ctx.versions(env).items() if not k.startswith((LLAMA_SERVER, "libllama-server"))}
 
 
 def split_request(serve: ServeSpec) -> dict[str, Any]:

@@ -1,9 +1,11 @@
-"""Worker for the `llamacpp` environment: convert, quantize, inspect and validate GGUF files.
+"""Worker for the `llamacpp` environment: convert, quantize, inspect and validate GGUF files, and
+serve one through the deploy command, llama.cpp's llama-server (the serve check).
 
 Runs only as `python -m pipeline.workers.llamacpp REQUEST RESULT` (see pipeline.environments). The
-converter, gguf-py, llama-imatrix and llama-perplexity come from the llama-cpp-python sdist of the
-installed runtime (placed in `<env prefix>/share/pipeline/llama.cpp` by scripts/setup.sh), so one
-llama.cpp commit converts, computes the importance matrix, quantizes, scores and serves.
+converter, gguf-py, llama-imatrix, llama-perplexity and llama-server come from the llama-cpp-python
+sdist of the installed runtime (placed in `<env prefix>/share/pipeline/llama.cpp` by
+scripts/setup.sh), so one llama.cpp commit converts, computes the importance matrix, quantizes,
+scores and serves.
 """
 
 from __future__ import annotations
@@ -88,11 +90,11 @@ def op_toolchain(_req: dict[str, Any]) -> dict[str, Any]:
     for lib in sorted((llama_cpp_dir() / "bin").glob("lib*.so*")):
         toolchain[f"{lib.name}-sha256"] = hashlib.sha256(lib.read_bytes()).hexdigest()
     _ = gguf  # imported to prove the vendored gguf-py is importable here
-    server = llama_cpp_dir() / "bin" / LLAMA_SERVER
     return {
         "toolchain": toolchain,
-        # the deploy command's program as this host runs it (the serve check, the benchmark)
-        "programs": {LLAMA_SERVER: str(server)} if server.is_file() else {},
+        # the deploy command's program as this host runs it (the serve check, the benchmark); where
+        # setup did not build it, starting it fails naming this path
+        "programs": {LLAMA_SERVER: str(llama_cpp_dir() / "bin" / LLAMA_SERVER)},
         "cmake_args": build.get("cmake_args"),
         "system_info": llama_cpp.llama_print_system_info().decode().strip(),
         "converter": str(converter),
@@ -339,7 +341,7 @@ def op_quantize(req: dict[str, Any]) -> dict[str, Any]:
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, GGUF_QUANTS[req["quant"]][1])
-    params.nthread = req.get("threads", 0)
+    params.nthread = _threads(req)
     keep_alive: list[Any] = []
     if req.get("imatrix_path"):
         data = load_imatrix(req["imatrix_path"])

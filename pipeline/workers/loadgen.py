@@ -1,5 +1,6 @@
 """The serving benchmark, inside the `guidellm` environment: start the artifact's serve command
-(with its engine environment's python) on a free loopback port, wait until it answers, then after
+(`python` as its engine environment's interpreter, llama-server as the core located it) on a free
+loopback port, wait until it answers, then after
 one warm-up request one GuideLLM run over the concurrency levels per workload (synthetic prompts of
 a fixed length, a bounded request count), sampling the server's process-group memory, and shut the
 server down whatever happens."""
@@ -171,7 +172,7 @@ def guidellm_argv(
     """GuideLLM 0.8's `run`: streamed OpenAI completions (TTFT and inter-token latency measured),
     synthetic prompts of a fixed length, fixed concurrencies, each level its own request count
     (whole waves, the core's `level_requests`; `constraints[0]` is max_requests) and a duration cap.
-    llama.cpp's server has no /health: readiness is asked of /v1/models."""
+    Readiness is asked of /v1/models, which every engine's server answers once its model is loaded."""
     levels = workload["concurrency"]
     counts = workload["level_requests"]
     return [

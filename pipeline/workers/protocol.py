@@ -209,7 +209,9 @@ ROOT_CAUSE_ABOVE = "See root cause above."  # vLLM's front end, when its engine 
 
 
 # llama.cpp's log lines: time, level, component; an error's becomes "llama.cpp error: <message>"
-LLAMA_ERROR = re.compile(r"^\d+\.\d+\.\d+\.\d+ E \w+\s+")
+# ("0.00.002.969 E srv  start: couldn't bind ..."; the library's own have no component:
+# "0.01.112.000 E llama_model_load: error loading model: ...")
+LLAMA_ERROR = re.compile(r"^\d+(?:\.\d+){3} E (?:\w+\s+(?=\S+: ))?")
 LLAMA_ERROR_MARK = "llama.cpp error: "
 LLAMA_EXITING = "exiting due to"  # llama-server's last words after the error that made it stop
 
@@ -218,8 +220,9 @@ def last_error_line(output: str) -> str:
     """The line of a server's output that says why it stopped: the last `...Error: ...` (or
     uvicorn's `ERROR:`, llama.cpp's level-E) line, else the last non-empty one. Where that line only
     points at a root cause printed before it (vLLM's "Engine core initialization failed. See root
-    cause above.", llama-server's "exiting due to HTTP server error"), its head is joined with the
-    last error line before it that is not such a pointer."""
+    cause above."), its head is joined with the last error line before it that is not such a
+    pointer; llama-server's last words ("exiting due to model loading error") with its first
+    error line, which says why."""
     prefix = re.compile(r"^(\x1b\[[0-9;]*m)*(\(\S+ pid=\d+\)\s*)?")  # colour codes, "(APIServer pid=N) "
     lines = [prefix.sub("", ln).strip() for ln in output.splitlines()]
     lines = [LLAMA_ERROR.sub(LLAMA_ERROR_MARK, ln) for ln in lines if ln]
@@ -230,8 +233,9 @@ def last_error_line(output: str) -> str:
         or re.match(r"^[\w.]*(Error|Exception)\b", ln.split("] ")[-1])
     ]
     line = (errors or lines or ["no output"])[-1]
-    if line.startswith(LLAMA_ERROR_MARK) and LLAMA_EXITING in line and len(errors) > 1:
-        line = f"{errors[-2]}; {line.removeprefix(LLAMA_ERROR_MARK)}"
+    llama = [ln for ln in errors if ln.startswith(LLAMA_ERROR_MARK)]
+    if line.startswith(LLAMA_ERROR_MARK) and LLAMA_EXITING in line and len(llama) > 1:
+        line = f"{llama[0]}; {line.removeprefix(LLAMA_ERROR_MARK)}"  # the first: the cause
     causes = [ln for ln in errors if ROOT_CAUSE_ABOVE not in ln]
     if ROOT_CAUSE_ABOVE in line and causes:
         line = f"{line.split(ROOT_CAUSE_ABOVE)[0].strip()} {causes[-1]}"

@@ -2,7 +2,7 @@
 argument list the core built for a free loopback port), wait until it is ready, send the first
 smoke prompt's token ids (greedy), compare the answer with the offline greedy answer, shut the
 server down. Each engine's worker supplies how to ask its server (vLLM: OpenAI completions;
-SGLang: its native /generate)."""
+SGLang: its native /generate; llama-server: its native /completion)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def serve_check(req: dict[str, Any], engine: str, ask: Ask) -> dict[str, Any]:
                 )
             if time.perf_counter() - t0 > req["ready_timeout_s"]:
                 raise RuntimeError(f"{engine} server not ready after {req['ready_timeout_s']}s")
-            try:  # both engines answer 503 (or refuse) until the model is loaded and warmed up
+            try:  # every engine answers 503 (or refuses) until the model is loaded and warmed up
                 with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
                     if r.status == 200:
                         break
@@ -104,7 +104,8 @@ def serve_check(req: dict[str, Any], engine: str, ask: Ask) -> dict[str, Any]:
             "finish_reason": answer.get("finish_reason"),
             "ready_s": ready_s,
             "request_s": time.perf_counter() - t1,
-            "command": " ".join([req["argv"][0], *cmd[1:]]),  # `python`, not the environment's path
+            # the program by its name (`python`, `llama-server`), not this host's path to it
+            "command": " ".join([os.path.basename(req["argv"][0]), *cmd[1:]]),
         }
     finally:
         server.terminate()

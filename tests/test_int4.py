@@ -215,7 +215,7 @@ def test_vllm_scores_a_checkpoint_and_its_serve_command_must_give_the_same_answe
     broken = good.model_copy(deep=True)
     offline = {"generations": good.generations}
     argv = serve(str(other), "--enforce-eager", "--no-such-flag")
-    serve_check(ctx, ENV_VLLM, "tiny", tiny_llama, argv, offline, broken, vllm.EAGER_FLAG)
+    serve_check(ctx, ENV_VLLM, "tiny", tiny_llama, argv, offline, broken, vllm.OFFLINE)
     assert broken.status == "failed" and broken.reason is not None
     assert broken.reason.startswith("the serve check's server did not answer: "), broken.reason
     assert "exited with code" in broken.reason and "--no-such-flag" in broken.reason

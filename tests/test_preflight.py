@@ -35,6 +35,8 @@ TINY_LLAMA = {  # tests/conftest.py tiny_llama
     "num_hidden_layers": 2,
 }
 OPEN = {"max_ppl_delta_pct": 1000.0}
+# benchmarks/bench_gpu.py make-checkpoint --arch llama: Qwen2-7B's dimensions declared as a Llama
+LLAMA_7B_SHAPE = {**QWEN2_7B, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
 GPTQMODEL_G128 = {"kind": "gptq", "group_size": 128, "backend": "gptqmodel"}
 
 
@@ -93,6 +95,9 @@ OBSERVED = [
             fallback=("IQ4_NL", 180)),
     Outcome("llama-cpp-python", "0.3.36", None, GEMMA3, {"kind": "gguf", "quant": "Q4_0"}, "loads",
             "benchmarks/results/gemma3-270m-cpu-2026-12-04.md: Q4_0 built and passed"),
+    Outcome("llama-cpp-python", "0.3.36", 90, LLAMA_7B_SHAPE, {"kind": "gguf", "quant": "Q4_0"}, "loads",
+            "benchmarks/results/h100-2026-12-06-serving-gguf.md: the Llama-declared 7B shape's Q4_0 passed "
+            "in CUDA llama.cpp (llama-cpp-python and llama-server, every layer on an H100)"),
 ]  # fmt: skip
 
 

@@ -329,12 +329,13 @@ def test_what_a_gpu_served_artifact_needs_grows_with_the_concurrent_requests(tmp
         assert q4["memory_from"].startswith(f"weights + 16-bit KV cache of {concurrency} x 640 tokens")
 
 
-def _h100_registry(tmp_path: Path, runs: dict[str, str]) -> Registry:
-    """A registry of the manifests the H100 wrote (benchmarks/results/), target -> run, each the
-    current version 1 of its target in the qwen2-7b-serving recipe."""
-    recipe_dir = tmp_path / "artifacts" / "qwen2-7b-serving"
+def _h100_registry(tmp_path: Path, runs: dict[str, str], recipe: str = "qwen2-7b-serving") -> Registry:
+    """A registry of the manifests the H100 wrote (benchmarks/results/), target -> run (a date-less
+    run: 2026-12-05's), each the current version 1 of its target in `recipe`."""
+    recipe_dir = tmp_path / "artifacts" / recipe
     for target, run in runs.items():
-        collected = ROOT / f"benchmarks/results/h100-2026-12-05-serving-{run}-manifest.json"
+        run = run if run.startswith("2026-") else f"2026-12-05-serving-{run}"
+        collected = ROOT / f"benchmarks/results/h100-{run}-manifest.json"
         for where in (recipe_dir / target, recipe_dir / ".versions" / target / "1"):
             where.mkdir(parents=True)
             (where / "manifest.json").write_bytes(collected.read_bytes())
@@ -390,3 +391,22 @@ def test_select_ranks_sglang_s_serving_numbers_beside_vllm_s(tmp_path: Path) -> 
     full = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=128))
     assert _names(full["ranked"]) == ["modelopt-fp8@vllm", "awq@vllm", "gptq@vllm", "awq@sglang"]
     assert "3750.9 output tokens/s" in " ".join(full["ranked"][-1]["reasons"])
+
+
+def test_select_ranks_the_h100_s_gguf_record_by_llama_server_s_numbers(tmp_path: Path) -> None:
+    """The H100's GGUF Q4_0 manifest (2026-12-06, sixth device session, the Llama-declared 7B shape):
+    `select` ranks it by its deploy command's (llama-server's) levels, names the bound it is
+    flagged below, the level its time cap cut, and answers with llama-server's command."""
+    reg = _h100_registry(tmp_path, {"gguf-q4_0": "2026-12-06-serving-gguf-q4_0"}, "qwen2-7b-serving-llama")
+    one = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=1))
+    [q4] = one["ranked"]
+    assert (q4["target"], q4["engine"]) == ("gguf-q4_0", "llama.cpp")
+    reasons = " ".join(q4["reasons"])
+    assert "on NVIDIA H100 80GB HBM3: 229.3 output tokens/s" in reasons
+    assert "28% of its 806 tokens/s bandwidth bound" in reasons
+    assert q4["serve_command"].startswith("llama-server -m ${ARTIFACT_DIR}/model.gguf")
+    assert "-np 128" in q4["serve_command"] and "-ngl all" in q4["serve_command"]
+    full = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=128))
+    reasons = " ".join(full["ranked"][0]["reasons"])
+    assert "375.5 output tokens/s" in reasons
+    assert "CUT: the level's time cap ended it with 176 of 512 requests" in reasons

@@ -118,6 +118,9 @@ def test_build_validate_publish_and_rebuild(tiny_recipe_dir: Path, _isolated_art
     assert metrics["scored_tokens"] == by_llama["tokens_scored"]
     assert metrics["ppl"] == pytest.approx(by_llama["ppl"], rel=1e-3)
     assert metrics["ppl_ref"] == pytest.approx(by_llama["ppl_base"], rel=1e-2)  # transformers fp32 vs F16
+    # the F16 run's own PPL (the reference check's number) and the one its KL base file gives agree
+    # on a trained model: the file's 16-nat floor binds only on a near-random one (the H100's 7B shape)
+    assert by_llama["ppl_base_run"] == pytest.approx(by_llama["ppl_base"], rel=1e-3)
 
     q4 = read_json(root / "gguf-q4_0" / MANIFEST_NAME)
     assert set(q4["toolchain"]) == {"llamacpp"}  # imatrix: llama-imatrix, in the llama.cpp environment

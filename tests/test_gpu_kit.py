@@ -3,10 +3,13 @@ carry in their environment, never by a name pattern: a stranger's process of the
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -408,3 +411,37 @@ def test_a_run_the_lease_ended_gets_its_project_side_and_a_raw_side_not_run(tmp_
     assert one["raw"]["output_tokens_per_s"] is None
     assert sglang["serving"] == skipped
     assert "serving" not in gptq and llama["serving"] == kept
+
+
+def test_a_bundle_of_some_environments_is_carried_apart_from_the_whole_set(tmp_path: Path) -> None:
+    """`carry.sh pack DIR core guidellm` with PACK_DIR packs only those environments, beside the
+    whole set in .whl/, and `append` with CARRY_DIR copies that bundle's parts and the .whl/ extras
+    (the CUDA tools) into the scratch dir, where the parts join to what was packed."""
+    carry = REPO / "benchmarks" / "gpu" / "carry.sh"
+    wheels = tmp_path / "wheels"
+    for env in ("core", "guidellm", "vllm"):
+        (wheels / env).mkdir(parents=True)
+        (wheels / env / f"{env}-1.0-py3-none-any.whl").write_bytes(os.urandom(3000))
+    checkout, scratch = tmp_path / "checkout", tmp_path / "scratch"
+    checkout.mkdir()
+    env = {**os.environ, "PART_BYTES": "4k", "PIPELINE_CARRY_SCRATCH": str(scratch)}
+
+    def sh(*args: str, **extra: str) -> None:
+        subprocess.run(["bash", str(carry), *args], cwd=checkout, env={**env, **extra}, check=True,
+                       capture_output=True)  # fmt: skip
+
+    sh("pack", str(wheels))
+    sh("pack", str(wheels), "core", "guidellm", PACK_DIR=".whl-gguf")
+    parts = {d: len(list((checkout / d).glob("part.*"))) for d in (".whl", ".whl-gguf")}
+    assert parts[".whl"] > parts[".whl-gguf"] > 1
+    (checkout / ".whl" / "llama-cuda-tools.tgz").write_bytes(b"tools")
+    sh("append", CARRY_DIR=".whl-gguf")
+    assert sorted(p.name for p in scratch.iterdir() if not p.name.startswith("part.")) == [
+        "bundle.sha256",
+        "llama-cuda-tools.tgz",
+    ]
+    joined = b"".join(p.read_bytes() for p in sorted(scratch.glob("part.*")))
+    assert hashlib.sha256(joined).hexdigest() == (scratch / "bundle.sha256").read_text().strip()
+    with tarfile.open(fileobj=io.BytesIO(joined)) as bundle:
+        names = bundle.getnames()
+    assert {n.split("/")[0] for n in names} == {"core", "guidellm"}

@@ -16,7 +16,7 @@
 # llmcompressor, gptqmodel, modelopt or sglang; each is installed alone (they pin different compressed-tensors
 # and transformers) and reached through /tmp/pipeline-envs/<env>/python.
 set -euo pipefail
-SCRATCH=/tmp/pipeline-carry
+SCRATCH=${PIPELINE_CARRY_SCRATCH:-/tmp/pipeline-carry}  # (overridden by the tests)
 PART_BYTES=${PART_BYTES:-58m}
 
 case "${1:-}" in
@@ -27,9 +27,11 @@ case "${1:-}" in
     envs=("$@") && [ ${#envs[@]} -gt 0 ] || envs=(.)
     out=${PACK_DIR:-.whl}
     rm -rf "$out" && mkdir -p "$out"
-    tar -C "$src" -cf /tmp/pipeline-bundle.tar "${envs[@]}"
-    split -b "$PART_BYTES" -d -a 2 /tmp/pipeline-bundle.tar "$out/part."
-    sha256sum /tmp/pipeline-bundle.tar | cut -d' ' -f1 > "$out/bundle.sha256"
+    tarball=$(mktemp /tmp/pipeline-bundle.XXXXXX)
+    tar -C "$src" -cf "$tarball" "${envs[@]}"
+    split -b "$PART_BYTES" -d -a 2 "$tarball" "$out/part."
+    sha256sum "$tarball" | cut -d' ' -f1 > "$out/bundle.sha256"
+    rm -f "$tarball"
     ls -la "$out"
     ;;
   append)

@@ -355,11 +355,18 @@ def warm(model_dir: Path, model: str, json_out: Path, attention_backend: str) ->
         write_results(json_out, rows)
 
 
-def run(recipe: Path, targets: list[str], model: str, json_out: Path, raw_ops: list[str]) -> None:
+def run(
+    recipe: Path,
+    targets: list[str],
+    model: str,
+    json_out: Path,
+    raw_ops: list[str],
+    settings: list[str] | None = None,
+) -> None:
     project = Project.open(recipe)
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
     try:
-        run_targets(project, recipe, targets, model, json_out, raw_ops, work)
+        run_targets(project, recipe, targets, model, json_out, raw_ops, work, settings)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -372,6 +379,7 @@ def run_targets(
     json_out: Path,
     raw_ops: list[str],
     work: Path,
+    settings: list[str] | None = None,
 ) -> None:
     device = _device()
     rows = json.loads(json_out.read_text()) if json_out.is_file() else []
@@ -468,7 +476,7 @@ def run_targets(
                         row["settings"] = partial
                         write_results(json_out, rows)
 
-                    row["settings"] = setting_rows(project, target, m, row["engine"], keep)
+                    row["settings"] = setting_rows(project, target, m, row["engine"], keep, settings)
                 write_results(json_out, rows)
     print(markdown(rows))
 
@@ -494,6 +502,16 @@ def raw_steps_error(raw_ops: list[str]) -> str | None:
         if engine in named or (None in named) or (engine is None and named):
             return f"--raw-steps names {name} twice for one engine ({op})"
         named.add(engine)
+    return None
+
+
+def settings_error(names: list[str] | None) -> str | None:
+    """Why a --settings list would try less than it names (None: it would not): a name no engine's
+    SERVE_SETTINGS has."""
+    known = {name for table in SERVE_SETTINGS.values() for name in table}
+    unknown = [name for name in names or [] if name not in known]
+    if unknown:
+        return f"--settings {', '.join(unknown)}: no such setting (settings: {', '.join(sorted(known))})"
     return None
 
 
@@ -675,12 +693,15 @@ def setting_rows(
     manifest: dict[str, Any],
     engine: str,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    only: list[str] | None = None,
 ) -> dict[str, Any]:
     """Every level of the first workload through `engine`'s deploy command as it is, then with each
     of that engine's SERVE_SETTINGS, then as it is again: output tokens/s, ITL p50 and the share of
     the bandwidth bound at 1 (the manifest's), and each level's ratio to the command as it is (a
     setting that helps one stream may cost a full batch: Marlin against Machete). `progress` gets
-    the rows so far after each setting, as `status: partial` (a lease may end mid-sweep)."""
+    the rows so far after each setting, as `status: partial` (a lease may end mid-sweep). `only`:
+    those settings alone and no second run as recorded (a short lease; the build's own serving
+    benchmark of the same command, in the same run, is then the spread's other side)."""
     ours = (manifest.get("serving") or {}).get(engine) or {}
     if ours.get("status") != "passed":
         return not_benchmarked(ours)
@@ -694,7 +715,11 @@ def setting_rows(
     rows: dict[str, Any] = {}
     # the command as recorded again last: the spread between two servers of one command, and a
     # check that the first server is not favoured by its place (run3: 0.992 at 1, 0.977 at 128)
-    tried = {"as recorded": ({}, []), **SERVE_SETTINGS.get(engine, {}), "as recorded, again": ({}, [])}
+    chosen = SERVE_SETTINGS.get(engine, {})
+    if only is None:
+        tried = {"as recorded": ({}, []), **chosen, "as recorded, again": ({}, [])}
+    else:
+        tried = {"as recorded": ({}, []), **{name: chosen[name] for name in only if name in chosen}}
     serve_argv = (
         target_spec.serve_argv if engine == manifest["engine"] else target_spec.other_serve_argvs()[engine]
     )
@@ -1003,6 +1028,11 @@ def main() -> None:
         help="pipeline step ops to repeat with the tool alone; serve and settings (serve:ENGINE: that "
         "engine's only) run in the order given",
     )
+    rn.add_argument(
+        "--settings",
+        help="the raw step settings tries these of SERVE_SETTINGS alone (comma-separated names), "
+        "without its second run as recorded",
+    )
     ss = sub.add_parser("serve-source")
     ss.add_argument("recipe", type=Path)
     ss.add_argument("--json", type=Path, required=True)
@@ -1023,10 +1053,11 @@ def main() -> None:
     else:
         targets = [t for t in args.targets.split(",") if t]
         raw_ops = [op for op in args.raw_steps.split(",") if op]
-        why = raw_steps_error(raw_ops)
+        settings = [name for name in args.settings.split(",") if name] if args.settings else None
+        why = raw_steps_error(raw_ops) or settings_error(settings)
         if why:
             parser.error(why)
-        run(args.recipe, targets, args.model, args.json, raw_ops)
+        run(args.recipe, targets, args.model, args.json, raw_ops, settings)
     print(f"finished {datetime.now(UTC).isoformat(timespec='seconds')}")
 
 

@@ -142,6 +142,11 @@ class LlamaCppServe(Strict):
     # requests decoded together (llama-server's slots, -np); more wait for a free slot
     parallel: int = Field(4, ge=1, le=256)
     n_gpu_layers: int = Field(0, ge=-1)  # -1: every layer on the GPU (-ngl all)
+    # one KV cache every slot shares (--kv-unified) instead of one stream per slot: llama.cpp then
+    # decodes the busy slots in one pass; with a stream per slot a batch is split into runs of
+    # consecutive slot ids (llama_batch_allocr::split_equal), one forward pass each. A slot may then
+    # hold more than n_ctx // parallel tokens; slot_tokens stays the length that always fits
+    kv_unified: bool = False
     n_threads: int | None = Field(None, ge=1)
     # over tp_size > 1 GPUs: whole layers per GPU (llama.cpp's default), rows of each matrix, or
     # llama.cpp's tensor parallelism (LLAMA_SPLIT_MODE_TENSOR)

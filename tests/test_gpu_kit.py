@@ -330,6 +330,13 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
     failed = bench.setting_rows(project, "gguf-f16", {"engine": "llama.cpp", "serving": {}}, "llama.cpp")
     assert failed["status"] == "not run" and len(sent) == 3  # no server started for it
     assert "serving_benchmark's engines or targets leave it out" in failed["reason"]
+    # --settings: the named ones beside the command as recorded, no second run (a short lease)
+    manifest = {"engine": "llama.cpp", "serving": {"llama.cpp": serving}}
+    short = bench.setting_rows(project, "gguf-f16", manifest, "llama.cpp", only=["flash attention"])
+    assert list(short["settings"]) == ["as recorded", "flash attention"] and len(sent) == 5
+    assert short["settings"]["flash attention"]["ratio"] == 1.5
+    assert bench.settings_error(["a variable", "marlin"]) is None
+    assert "--settings fast: no such setting (settings: " in (bench.settings_error(["fast"]) or "")
 
 
 def test_the_raw_side_is_compared_per_workload_and_a_failed_further_workload_says_why(

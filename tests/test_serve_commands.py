@@ -141,7 +141,9 @@ def test_a_gguf_over_several_gpus_gets_llama_cpp_servers_split_flags(mode: str, 
     assert "-sm" not in gguf.serve_argv(ServeSpec())
     argv = gguf.serve_argv(gguf.serve_spec(ServeSpec(llamacpp={"split_mode": mode, "n_gpu_layers": -1})))
     assert argv[argv.index("-sm") + 1] == mode and argv[argv.index("-ts") + 1] == "1,1,1"
-    assert argv[argv.index("-ngl") + 1] == "all"
+    assert argv[argv.index("-ngl") + 1] == "all" and "--kv-unified" not in argv  # a stream per slot
+    unified = ServeSpec(llamacpp={"kv_unified": True})
+    assert gguf.serve_argv(unified)[-1] == "--kv-unified"  # one KV cache the slots share
     from pipeline.workers import llamacpp
 
     server = subprocess.run(
@@ -149,7 +151,8 @@ def test_a_gguf_over_several_gpus_gets_llama_cpp_servers_split_flags(mode: str, 
     )
     for flag in ("-m,    --model FNAME", "-c,    --ctx-size N", "-np,   --parallel N", "-ngl,  --gpu-layers",
                  "-sm,   --split-mode {none,layer,row,tensor}", "-ts,   --tensor-split N0,N1,N2",
-                 "--host HOST", "--port PORT", "-t,    --threads N"):  # fmt: skip
+                 "--host HOST", "--port PORT", "-t,    --threads N",
+                 "-kvu,  --kv-unified"):  # fmt: skip
         assert flag in server.stdout + server.stderr, flag
 
     from pipeline.targets.gguf import split_request

@@ -15,8 +15,11 @@
 #                                           raw step `serve` for the engines with their defaults
 #                                           (`serve:sglang`: that engine's only, in the order given;
 #                                           ENGINES=sglang: only that engine benchmarked;
-#                                           ONE_WORKLOAD=1: the first workload only),
-#                                           `settings` for one engine setting changed at a time)
+#                                           ONE_WORKLOAD=1: the first workload only;
+#                                           KV_UNIFIED=1: llama-server's slots share one KV cache),
+#                                           `settings` for one engine setting changed at a time
+#                                           (SETTINGS_ONLY="unified KV cache": those of bench_gpu.py's
+#                                           SERVE_SETTINGS alone, no second run as recorded))
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment;
 #                                           TESTS_K: only the tests a -k expression selects; TESTS:
 #                                           the node ids to run, in that order, default tests/)
@@ -216,15 +219,21 @@ case "${1:-}" in
     [ "$shape" = llama2-70b ] && arch=llama  # SHAPE=llama2-70b: a Llama, over every GPU (tp_size 4)
     [ -f "$WORK/$shape-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
       "$WORK/$shape-$arch" --arch $arch --shape "$shape" --tokenizer "$tokenizer"
+    unified='s#llamacpp: {n_ctx: 327680, parallel: 128, n_gpu_layers: -1}#llamacpp: {n_ctx: 327680, parallel: 128, n_gpu_layers: -1, kv_unified: true}#'
     for r in qwen2-7b-shape qwen2-7b-shape-llama qwen2-7b-serving qwen2-7b-serving-llama qwen2.5-32b-shape llama2-70b-shape; do  # replaced whole: the other stream may be reading it
       # ENGINES=sglang: the serving recipe benchmarks those engines only (`engines: [sglang]`)
-      # ONE_WORKLOAD=1: the first workload only (a short lease)
+      # ONE_WORKLOAD=1: the first workload only (a short lease); KV_UNIFIED=1: llama-server's slots
+      # share one KV cache (serve.llamacpp.kv_unified)
       sed -e "s#@WORK@#$WORK#g" -e "${ENGINES:+s#, engines: all,#, engines: [$ENGINES],#}" \
-        -e "${ONE_WORKLOAD:+s#more_workloads: \[[^]]*\]##}" "benchmarks/gpu/$r.yaml" \
+        -e "${ONE_WORKLOAD:+s#more_workloads: \[[^]]*\]##}" \
+        -e "${KV_UNIFIED:+$unified}" "benchmarks/gpu/$r.yaml" \
         > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
     done
     if [ -n "${ENGINES:-}" ] && ! grep -q "engines: \[$ENGINES\]" "$WORK/qwen2-7b-serving.yaml"; then
       echo "ENGINES=$ENGINES: qwen2-7b-serving.yaml has no 'engines: all' setting to replace" >&2; exit 2
+    fi
+    if [ -n "${KV_UNIFIED:-}" ] && ! grep -q "kv_unified: true" "$WORK/qwen2-7b-serving-llama.yaml"; then
+      echo "KV_UNIFIED=$KV_UNIFIED: qwen2-7b-serving-llama.yaml has no llamacpp setting to extend" >&2; exit 2
     fi
     flock -u 9
     recipe=$WORK/$shape-shape.yaml targets=${2:-modelopt-fp8}
@@ -246,7 +255,7 @@ case "${1:-}" in
     serve_source() { bench serve-source "$recipe" --json "$RESULTS" 2>&1 | tail -c 4000; }
     [ "$source_row" = first ] && serve_source
     bench run "$recipe" --targets "$targets" --model "$shape-shape ($arch)" \
-      --raw-steps "${3:-convert,quantize,checkpoint,validate}" \
+      --raw-steps "${3:-convert,quantize,checkpoint,validate}" ${SETTINGS_ONLY:+--settings "$SETTINGS_ONLY"} \
       --json "$RESULTS" 2>&1 | tee "$OUT/qwen2-7b-${targets//,/_}.log" | tail -c 20000
     [ "$source_row" = last ] && serve_source
     ;;

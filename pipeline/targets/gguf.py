@@ -307,6 +307,7 @@ class GgufTarget(Target):
         if serve.tp_size > 1:  # even shares of the first tp_size GPUs
             argv += ["-sm", knobs.split_mode, "-ts", ",".join(["1"] * serve.tp_size)]
         argv += ["-t", str(knobs.n_threads)] if knobs.n_threads else []
+        argv += ["--kv-unified"] if knobs.kv_unified else []
         return argv
 
 

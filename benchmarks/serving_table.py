@@ -170,9 +170,14 @@ def table(files: list[Path]) -> str:
     cards: dict[str, dict[tuple[str, str], tuple[Path, dict[str, Any]]]] = {}
     with_raw: dict[str, dict[tuple[str, str], tuple[str, dict[str, Any]]]] = {}  # latest raw side run
     latest: dict[tuple[str, str], dict[str, Any]] = {}
+    # every settings sweep, also one of a run that did not serve the artifact again (`settings`
+    # without `serve`: its deploy command's numbers are an earlier file's)
+    sweeps: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
     for path, row in rows:
         key = (row["target"], row.get("engine"))  # none: a build that never reached an engine
         latest[key] = row
+        if (row.get("settings") or {}).get("status") in ("passed", "partial"):
+            sweeps.setdefault(row.get("device") or "unknown card", []).append((path, row))
         serving = row.get("serving") or {}
         if serving.get("status") == "passed":
             card = row.get("device") or "unknown card"
@@ -204,7 +209,8 @@ def table(files: list[Path]) -> str:
                 path, row = served[(target, engine)]
                 earlier = with_raw.get(card, {}).get((target, engine))
                 out += workload_lines(label, engine, row["serving"], path.name, earlier)
-                if (row.get("settings") or {}).get("status") in ("passed", "partial"):
+            for path, row in sweeps.get(card, []):
+                if (row["target"], row.get("engine")) == (target, engine):
                     tried += setting_lines(label, engine, row["settings"], path.name)
         if tried:
             out += [

@@ -129,3 +129,18 @@ def test_a_later_run_without_its_raw_side_shows_the_last_measured_ratio_and_wher
     text = serving_table.table([first, later])
     gptq = next(line for line in text.splitlines() if line.startswith("| GPTQ"))
     assert "| 200.0 |" in gptq and "| raw not run; 0.990–0.990 in h100-2026-12-05-serving.json |" in gptq
+
+
+def test_a_sweep_of_a_run_that_did_not_serve_the_artifact_again_is_shown(tmp_path: Path) -> None:
+    """`--raw-steps settings` alone: the row holds the sweep but no serving record; the artifact's
+    numbers stay the earlier file's, its sweep is listed from the later one."""
+    first = _write(tmp_path / "h100-2026-12-05-serving.json", [_row("gptq", "H100", 100.0, ratio=0.99)])
+    swept = {k: v for k, v in _row("gptq", "H100", 0.0).items() if k != "serving"}
+    done = {"status": "passed", "output_tokens_per_s": 90.0, "ratio": 0.9, "levels": {}}
+    swept["settings"] = {"status": "passed", "workload": {"prompt_tokens": 512, "output_tokens": 128},
+                         "settings": {"marlin": done}}  # fmt: skip
+    later = _write(tmp_path / "h100-2026-12-05-serving-run2.json", [swept])
+    text = serving_table.table([first, later])
+    assert "| 100.0 |" in next(line for line in text.splitlines() if line.startswith("| GPTQ"))
+    assert "| GPTQ W4A16 g128 (llm-compressor) | vllm | marlin | 512/128 | 90.0 (0.900) | – | – | – |" in text
+    assert "h100-2026-12-05-serving-run2.json |" in text

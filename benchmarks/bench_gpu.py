@@ -683,6 +683,9 @@ SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
         # slot may then hold more than n_ctx / parallel
         "unified KV cache": ({}, ["--kv-unified"]),
         "micro-batch 2048": ({}, ["-ub", "2048"]),  # prefill in larger steps (default 512)
+        # sampling in the model's graph on the GPU instead of each slot's on the CPU over the whole
+        # vocabulary (llama-server's -bs, experimental; 152,064 entries here)
+        "backend sampling": ({}, ["--backend-sampling"]),
     },
 }  # fmt: skip
 

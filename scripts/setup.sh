@@ -93,10 +93,11 @@ fi
 
 # 2b. llama.cpp's own tools from the same sdist and flags (static, so they need no library path):
 #     llama-imatrix (importance matrix), llama-perplexity (PPL, KL divergence to an F16 base) and
-#     llama-server (a GGUF's deploy command; without its web UI, which its build would download).
+#     llama-server (a GGUF's deploy command; without its web UI, which its build would download),
+#     llama-batched-bench (the engine's batched decode alone: benchmarks/llama_decode_overhead.py).
 #     Built once per (version, flags, tool list) into the cache; about 10 minutes on 2 cores.
 TOP="llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION"
-TOOLS=(llama-imatrix llama-perplexity llama-server)
+TOOLS=(llama-imatrix llama-perplexity llama-server llama-batched-bench)
 TOOLS_DIR="$CACHE/tools/llama.cpp-$LLAMA_CPP_PYTHON_VERSION-$BUILD_TAG"
 if [ "$(cat "$TOOLS_DIR/.complete" 2>/dev/null)" != "${TOOLS[*]}" ]; then
   log "building ${TOOLS[*]} from the sdist's llama.cpp"

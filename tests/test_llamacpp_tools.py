@@ -4,7 +4,10 @@ files of the tiny Llama: the numbers that must hold, and the failures that must 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -257,3 +260,36 @@ def test_llama_cpps_threads_follow_the_request_then_the_openmp_budget(
     assert _threads({"threads": 2}) == 2 and _threads({"threads": 0}) == 3 and _threads({}) == 3
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert _threads({}) == (os.cpu_count() or 1)
+
+
+def _overhead(gguf: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "llama_decode_overhead.py"
+    argv = [sys.executable, str(script), str(gguf), "--parallel", "1,2", "--prompt-tokens", "16",
+            "--output-tokens", "8", "--threads", "1", "--json", str(tmp_path / "o.json"), *extra]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.mark.slow  # llama-batched-bench and llama-server on the tiny Llama
+def test_llama_server_is_timed_beside_llama_batched_bench_and_a_server_that_cannot_start_is_one_line(
+    ggufs: dict[str, Path], tmp_path: Path
+) -> None:
+    """benchmarks/llama_decode_overhead.py: both sides measured at each parallel count, their ratio
+    the server's step time over the engine's; a llama-server that exits names itself, a missing GGUF
+    is named, a truncated one stops at the engine's own error."""
+    run = _overhead(ggufs["q4_0"], tmp_path)
+    assert run.returncode == 0, run.stderr
+    levels = json.loads((tmp_path / "o.json").read_text())["levels"]
+    assert sorted(levels) == ["1", "2"]
+    for lv in levels.values():
+        assert lv["engine_step_ms"] > 0 and lv["server_step_ms"] > 0
+        assert lv["server_over_engine"] == pytest.approx(lv["server_step_ms"] / lv["engine_step_ms"])
+    assert "| 2 |" in run.stdout
+    bad = _overhead(ggufs["q4_0"], tmp_path, "--server-arg=--no-such-flag")
+    assert bad.returncode != 0 and bad.stderr.startswith("error: llama-server exited")
+    assert len(bad.stderr.strip().splitlines()) == 1
+    gone = _overhead(tmp_path / "none.gguf", tmp_path)
+    assert gone.returncode != 0 and "no such GGUF file" in gone.stderr
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(ggufs["q4_0"].read_bytes()[:300])
+    broken = _overhead(cut, tmp_path)
+    assert broken.returncode != 0 and broken.stderr.startswith("error: llama-batched-bench exited 1: ")

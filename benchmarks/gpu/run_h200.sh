@@ -20,6 +20,9 @@
 #                                           `settings` for one engine setting changed at a time
 #                                           (SETTINGS_ONLY="unified KV cache": those of bench_gpu.py's
 #                                           SERVE_SETTINGS alone, no second run as recorded))
+#   benchmarks/gpu/run_h200.sh overhead     llama-server's decode against llama-batched-bench's on each
+#                                           GGUF built (OVERHEAD_ARGS: a llama-server argument more;
+#                                           OVERHEAD_PARALLEL: default 1,8,32,128)
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment;
 #                                           TESTS_K: only the tests a -k expression selects; TESTS:
 #                                           the node ids to run, in that order, default tests/)
@@ -259,6 +262,17 @@ case "${1:-}" in
       --json "$RESULTS" 2>&1 | tee "$OUT/qwen2-7b-${targets//,/_}.log" | tail -c 20000
     [ "$source_row" = last ] && serve_source
     ;;
+  overhead)  # llama-server against llama-batched-bench (benchmarks/llama_decode_overhead.py) on each
+    # GGUF a `start gguf` built, every layer on the GPU, at the serving recipe's first workload;
+    # OVERHEAD_ARGS: one more llama-server argument (--kv-unified, --backend-sampling)
+    for g in "$WORK"/artifacts/qwen2-7b-serving-llama/gguf-*/model.gguf; do
+      [ -f "$g" ] || { echo "no GGUF under $WORK/artifacts/qwen2-7b-serving-llama: run start gguf first"; exit 2; }
+      t=$(basename "$(dirname "$g")")
+      timeout -k 10 "$LIMIT_S" python3 benchmarks/llama_decode_overhead.py "$g" --parallel "${OVERHEAD_PARALLEL:-1,8,32,128}" \
+        --prompt-tokens 512 --output-tokens 128 --ngl all ${OVERHEAD_ARGS:+--server-arg="$OVERHEAD_ARGS"} \
+        --json "$OUT/overhead-$t${OVERHEAD_ARGS:+-${OVERHEAD_ARGS//[^a-z]/}}.json" 2>&1 | tee -a "$OUT/overhead.log"
+    done
+    ;;
   tests)
     # TESTS_K: a pytest -k expression (2026-12-03, fourth run: the whole GPU suite alone took over
     # 27 min, the first SGLang start 427 s of it; a session's device time is 30 min)
@@ -269,7 +283,7 @@ case "${1:-}" in
     timeout -k 10 "$LIMIT_S" python3 -m pytest -v -rfE -m gpu "${per_gpu[@]}" --basetemp="$TESTS_TMP" ${TESTS:-tests/} --durations=8 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
       | tee "$OUT/pytest-gpu.log" | tail -c 8000
     ;;
-  *) echo "usage: $0 warm|smollm2|qwen2-7b|tests" >&2; exit 2 ;;
+  *) echo "usage: $0 warm|smollm2|qwen2-7b|overhead|tests" >&2; exit 2 ;;
 esac
 [ -f "$RESULTS" ] && cp "$RESULTS" "${RESULTS%.json}.md" "$OUT/"
 # manifests and logs (not the weights) come back as one archive

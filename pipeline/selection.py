@@ -51,6 +51,7 @@ class Candidate:
     device: str
     size_bytes: int
     ppl_delta_pct: float | None
+    kld_mean: float | None  # full-vocabulary KL to the reference (llama.cpp, TensorRT-LLM verdicts)
     memory_mib: float | None
     memory_from: str
     serving: dict[str, Any] | None  # this engine's numbers at the scenario's concurrency
@@ -94,6 +95,7 @@ def _candidate(entry: VersionEntry, manifest: Manifest, engine: str, verdict: En
         device=device,
         size_bytes=manifest.size_bytes,
         ppl_delta_pct=verdict.metrics.ppl_delta_pct if verdict.metrics else None,
+        kld_mean=verdict.metrics.kld_mean if verdict.metrics else None,
         memory_mib=None,
         memory_from="",
         serving=serving.model_dump(mode="json") if serving else None,
@@ -179,7 +181,11 @@ def select(registry: Registry, scenario: Scenario) -> dict[str, Any]:
             continue
         c.reasons = _reasons(c, scenario)
         ranked.append(c)
-    ranked.sort(key=lambda c: _rank_key(c, scenario))
+    by_kld = scenario.objective == "accuracy" and all(c.kld_mean is not None for c in ranked)
+    if scenario.objective == "accuracy" and ranked:
+        for c in ranked:
+            c.reasons.append(_accuracy_basis(c, by_kld))
+    ranked.sort(key=lambda c: _rank_key(c, scenario, by_kld))
     return {
         "scenario": asdict(scenario),
         "ranked": [c.as_dict() for c in ranked],
@@ -296,10 +302,22 @@ def _reasons(c: Candidate, s: Scenario) -> list[str]:
     return reasons
 
 
-def _rank_key(c: Candidate, s: Scenario) -> tuple[float, ...]:
+def _accuracy_basis(c: Candidate, by_kld: bool) -> str:
+    """What the accuracy ranking read for this candidate."""
+    if by_kld:
+        return f"accuracy ranked by full-vocabulary KLD to the reference: {c.kld_mean:.4f}"
+    return (
+        "accuracy ranked by |ΔPPL| (not every candidate has a full-vocabulary KLD: vLLM's and SGLang's "
+        "verdicts hold only a top-k lower bound)"
+    )
+
+
+def _rank_key(c: Candidate, s: Scenario, by_kld: bool = False) -> tuple[float, ...]:
     """Best first; ties broken by ΔPPL, then size. For speed, a level its time cap cut comes after
     every whole one: its numbers count only the requests that finished, so they compare with
-    nothing."""
+    nothing. Accuracy: by full-vocabulary KLD where every candidate has one (`by_kld`; ΔPPL's sign
+    and size are noise at small deltas, and a quantization can score a lower PPL than its source
+    while its distributions moved), else by |ΔPPL|."""
     ppl = c.ppl_delta_pct if c.ppl_delta_pct is not None else float("inf")
     level = _level(c, s) or {}
     cut = 1.0 if level.get("incomplete") else 0.0
@@ -309,4 +327,6 @@ def _rank_key(c: Candidate, s: Scenario) -> tuple[float, ...]:
         return (cut, level.get("ttft_ms_p99", float("inf")), level.get("itl_ms_p99", float("inf")), ppl)
     if s.objective == "size":
         return (c.size_bytes, ppl)
+    if by_kld and c.kld_mean is not None:
+        return (c.kld_mean, abs(ppl), c.size_bytes)
     return (abs(ppl), c.size_bytes)

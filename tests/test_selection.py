@@ -410,3 +410,40 @@ def test_select_ranks_the_h100_s_gguf_record_by_llama_server_s_numbers(tmp_path:
     reasons = " ".join(full["ranked"][0]["reasons"])
     assert "375.5 output tokens/s" in reasons
     assert "CUT: the level's time cap ended it with 176 of 512 requests" in reasons
+
+
+def test_select_ranks_the_h100_s_three_ggufs_and_accuracy_by_kld_where_every_one_has_it(
+    tmp_path: Path,
+) -> None:
+    """The H100's GGUF manifests (2026-12-06, sixth and seventh device sessions): Q4_0 wins one
+    stream, IQ4_XS size, and accuracy goes by llama-perplexity's full-vocabulary KLD (Q8_0 0.0006,
+    IQ4_XS 0.0470, Q4_0 0.0587), not by |ΔPPL|, where Q4_0's -0.13 % would beat Q8_0's +0.37 %.
+    Beside a vLLM record, which holds only a top-k lower bound, accuracy falls back to |ΔPPL| and
+    says so."""
+    runs = {
+        "gguf-q4_0": "2026-12-06-serving-gguf-q4_0",
+        "gguf-q8_0": "2026-12-06-serving-run2-gguf-q8_0",
+        "gguf-iq4_xs": "2026-12-06-serving-run2-gguf-iq4_xs",
+    }
+    reg = _h100_registry(tmp_path, runs, "qwen2-7b-serving-llama")
+    one = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=1))
+    assert _names(one["ranked"]) == ["gguf-q4_0@llama.cpp", "gguf-iq4_xs@llama.cpp", "gguf-q8_0@llama.cpp"]
+    assert "on NVIDIA H100 80GB HBM3: 177.7 output tokens/s" in " ".join(one["ranked"][-1]["reasons"])
+    size = select(reg, Scenario(gpu_arch="sm90", objective="size"))
+    assert _names(size["ranked"])[0] == "gguf-iq4_xs@llama.cpp"
+    accuracy = select(reg, Scenario(gpu_arch="sm90", objective="accuracy"))
+    assert _names(accuracy["ranked"]) == [f"gguf-{q}@llama.cpp" for q in ("q8_0", "iq4_xs", "q4_0")]
+    basis = "accuracy ranked by full-vocabulary KLD to the reference: 0.0006"
+    assert basis in accuracy["ranked"][0]["reasons"]
+    mixed = _h100_registry(tmp_path / "mixed", {"gptq": "run3-gptq"})
+    for target, run in runs.items():  # the GGUF records beside the vLLM one, in one registry
+        for where in ("", ".versions/"):
+            dest = tmp_path / "mixed/artifacts/qwen2-7b-serving-llama" / where / target
+            dest = dest / "1" if where else dest
+            dest.mkdir(parents=True)
+            collected = ROOT / f"benchmarks/results/h100-{run}-manifest.json"
+            (dest / "manifest.json").write_bytes(collected.read_bytes())
+    mixed.rebuild()
+    both = select(mixed, Scenario(gpu_arch="sm90", objective="accuracy"))
+    assert _names(both["ranked"])[0] == "gguf-q4_0@llama.cpp"  # |ΔPPL| 0.13
+    assert "accuracy ranked by |ΔPPL|" in both["ranked"][0]["reasons"][-1]

@@ -265,13 +265,16 @@ case "${1:-}" in
   overhead)  # llama-server against llama-batched-bench (benchmarks/llama_decode_overhead.py) on each
     # GGUF a `start gguf` built, every layer on the GPU, at the serving recipe's first workload;
     # OVERHEAD_ARGS: one more llama-server argument (--kv-unified, --backend-sampling)
+    # results and server logs under $WORK/overhead, brought back as one archive (8 files a call)
+    mkdir -p "$WORK/overhead"
     for g in "$WORK"/artifacts/qwen2-7b-serving-llama/gguf-*/model.gguf; do
       [ -f "$g" ] || { echo "no GGUF under $WORK/artifacts/qwen2-7b-serving-llama: run start gguf first"; exit 2; }
       t=$(basename "$(dirname "$g")")
       timeout -k 10 "$LIMIT_S" python3 benchmarks/llama_decode_overhead.py "$g" --parallel "${OVERHEAD_PARALLEL:-1,8,32,128}" \
         --prompt-tokens 512 --output-tokens 128 --ngl all ${OVERHEAD_ARGS:+--server-arg="$OVERHEAD_ARGS"} \
-        --json "$OUT/overhead-$t${OVERHEAD_ARGS:+-${OVERHEAD_ARGS//[^a-z]/}}.json" 2>&1 | tee -a "$OUT/overhead.log"
+        --json "$WORK/overhead/$t${OVERHEAD_ARGS:+-${OVERHEAD_ARGS//[^a-z]/}}.json" 2>&1 | tee -a "$WORK/overhead/overhead.log"
     done
+    tar -C "$WORK" -czf "$OUT/overhead.tgz" overhead
     ;;
   tests)
     # TESTS_K: a pytest -k expression (2026-12-03, fourth run: the whole GPU suite alone took over

@@ -24,14 +24,14 @@ import sys
 import threading
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from pipeline.engines.serving import free_port
+from pipeline.spec import LLAMA_SLOT_STEP
 from pipeline.workers.llamacpp import tool
-
-SLOT_STEP = 256  # llama.cpp pads each slot's context to a multiple of this
+from pipeline.workers.loadgen import wait_ready
+from pipeline.workers.serving import post_json
 
 
 class OverheadError(RuntimeError):
@@ -40,7 +40,7 @@ class OverheadError(RuntimeError):
 
 def slot_tokens(prompt: int, output: int) -> int:
     """One sequence's KV cells, padded as llama.cpp pads a slot."""
-    return -(-(prompt + output + 1) // SLOT_STEP) * SLOT_STEP
+    return -(-(prompt + output + 1) // LLAMA_SLOT_STEP) * LLAMA_SLOT_STEP
 
 
 def engine_steps(
@@ -61,14 +61,6 @@ def engine_steps(
     return {r["pl"]: {"step_ms": 1000 * r["t_tg"] / r["tg"], "tokens_per_s": r["speed_tg"]} for r in rows}
 
 
-def _post(port: int, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
 def server_steps(
     gguf: Path, parallel: list[int], prompt: int, output: int, common: list[str], extra: list[str], log: Path
 ) -> dict[int, Any]:
@@ -79,29 +71,18 @@ def server_steps(
             "-c", str(slots * slot_tokens(prompt, output)), "-np", str(slots), *common, *extra]  # fmt: skip
     with log.open("w") as out:
         server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    completion = f"http://127.0.0.1:{port}/completion"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if server.poll() is not None:
-                lines = log.read_text(errors="replace").strip().splitlines()
-                raise OverheadError(
-                    f"llama-server exited {server.returncode}: {lines[-1] if lines else 'no output'}"
-                )
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise OverheadError(f"llama-server did not answer /health in 300 s (log: {log})")
-            time.sleep(0.5)
+        try:  # the serving benchmark's own wait: the server's exit reason or a time limit, one line
+            wait_ready(server, f"http://127.0.0.1:{port}", log, 300)
+        except RuntimeError as exc:
+            raise OverheadError(f"llama-server: {exc}") from None
 
         def body(i: int) -> dict[str, Any]:  # a distinct token-id prompt per request, no shared prefix
             ids = [100 + (i * 7919 + j * 104729) % 20000 for j in range(prompt)]
             return {"prompt": ids, "n_predict": output, "ignore_eos": True, "cache_prompt": False}
 
-        _post(port, body(10**6), 600)  # warm-up: first-use allocations, CUDA graphs
+        post_json(completion, body(10**6), 600)  # warm-up: first-use allocations, CUDA graphs
         results: dict[int, Any] = {}
         for n in parallel:
             got: list[dict[str, Any]] = []
@@ -109,7 +90,7 @@ def server_steps(
 
             def one(i: int, got: list[dict[str, Any]] = got, failed: list[str] = failed) -> None:
                 try:
-                    got.append(_post(port, body(i), 1800))
+                    got.append(post_json(completion, body(i), 1800))
                 except (urllib.error.URLError, OSError, ValueError) as exc:
                     failed.append(str(exc))
 

@@ -176,11 +176,11 @@ def table(files: list[Path]) -> str:
     for path, row in rows:
         key = (row["target"], row.get("engine"))  # none: a build that never reached an engine
         latest[key] = row
+        card = row.get("device") or "unknown card"
         if (row.get("settings") or {}).get("status") in ("passed", "partial"):
-            sweeps.setdefault(row.get("device") or "unknown card", []).append((path, row))
+            sweeps.setdefault(card, []).append((path, row))
         serving = row.get("serving") or {}
         if serving.get("status") == "passed":
-            card = row.get("device") or "unknown card"
             cards.setdefault(card, {})[key] = (path, row)
             if any(_ratio_range(run.get("levels") or {}) for run in serving.get("workloads") or []):
                 with_raw.setdefault(card, {})[key] = (path.name, serving)

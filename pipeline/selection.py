@@ -182,7 +182,7 @@ def select(registry: Registry, scenario: Scenario) -> dict[str, Any]:
         c.reasons = _reasons(c, scenario)
         ranked.append(c)
     by_kld = scenario.objective == "accuracy" and all(c.kld_mean is not None for c in ranked)
-    if scenario.objective == "accuracy" and ranked:
+    if scenario.objective == "accuracy":
         for c in ranked:
             c.reasons.append(_accuracy_basis(c, by_kld))
     ranked.sort(key=lambda c: _rank_key(c, scenario, by_kld))

@@ -285,7 +285,8 @@ def test_llama_server_is_timed_beside_llama_batched_bench_and_a_server_that_cann
         assert lv["server_over_engine"] == pytest.approx(lv["server_step_ms"] / lv["engine_step_ms"])
     assert "| 2 |" in run.stdout
     bad = _overhead(ggufs["q4_0"], tmp_path, "--server-arg=--no-such-flag")
-    assert bad.returncode != 0 and bad.stderr.startswith("error: llama-server exited")
+    assert bad.returncode != 0 and bad.stderr.startswith("error: llama-server: the server exited with code 1")
+    assert "--no-such-flag" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
     gone = _overhead(tmp_path / "none.gguf", tmp_path)
     assert gone.returncode != 0 and "no such GGUF file" in gone.stderr

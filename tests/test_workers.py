@@ -456,7 +456,7 @@ def test_a_further_workload_that_fails_keeps_the_earlier_numbers_and_the_server_
             raise RuntimeError("the server died during the benchmark: killed")
         return {"seconds": 1.0, "levels": [{"concurrency": 1}]}
 
-    monkeypatch.setattr(loadgen, "_wait_ready", lambda *a: "model")
+    monkeypatch.setattr(loadgen, "wait_ready", lambda *a: "model")
     monkeypatch.setattr(loadgen, "_warm_up", lambda *a: None)
     monkeypatch.setattr(loadgen, "_measure", measure)
     monkeypatch.setattr(loadgen, "_stop", lambda server: (stopped.append(server), stop(server)))

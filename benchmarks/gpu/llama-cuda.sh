@@ -81,7 +81,7 @@ fi
 # 4. llama.cpp's own tools for GGUF validation and serving on the GPU host (llama-perplexity,
 # llama-imatrix, llama-server without its web UI; without them GGUF steps there fall back to the CPU
 # build's static tools; llama-batched-bench: the engine's decode alone at N parallel sequences,
-# beside llama-server's, run_h200.sh batched-bench), linked to the wheel's
+# beside llama-server's, run_h200.sh overhead), linked to the wheel's
 # libraries: the kept build reconfigured with the tools on (the package's own mtmd off: tools/ adds
 # it too), so only the tools compile (2026-12-05: 6 steps, seconds; 2026-12-06 with llama-server and
 # the reconfigured common library: 136 steps, 6 min at nice 19). The sdist is laid again where

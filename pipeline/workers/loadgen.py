@@ -34,7 +34,7 @@ def op_toolchain(req: dict[str, Any]) -> dict[str, Any]:
     return {"toolchain": installed_versions("guidellm", "transformers")}
 
 
-def _wait_ready(server: subprocess.Popen[bytes], base: str, log: Path, timeout_s: float) -> str:
+def wait_ready(server: subprocess.Popen[bytes], base: str, log: Path, timeout_s: float) -> str:
     """The served model id once GET /v1/models answers; a one-line error if the server exits or
     stays silent for timeout_s."""
     deadline = time.monotonic() + timeout_s
@@ -87,7 +87,7 @@ def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
             dying_with_parent(argv), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
     try:
-        model_id = _wait_ready(server, base, log, req["ready_timeout_s"])
+        model_id = wait_ready(server, base, log, req["ready_timeout_s"])
         ready_s = time.perf_counter() - t0
         _warm_up(base, model_id, workloads[0]["output_tokens"])
         runs = [_measure(server, base, model_id, req["tokenizer"], workloads[0], log)]

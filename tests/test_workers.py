@@ -480,3 +480,39 @@ def test_a_further_workload_that_fails_keeps_the_earlier_numbers_and_the_server_
         assert "killed" in second["error"] and third["error"] == "not run: a workload before it failed"
     [server] = stopped
     assert server.poll() is not None  # ended, not left running
+
+
+def test_guidellm_losing_a_level_s_updates_runs_once_more_and_a_second_loss_is_the_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GuideLLM 0.8's "No measurement start or end times available" (its level got no request
+    updates although the server answered): one more run, said so; the same again is the error,
+    and any other failure is the error at once."""
+    from pipeline.workers import loadgen
+
+    workload = {"prompt_tokens": 8, "output_tokens": 4, "concurrency": [1], "level_requests": [2],
+                "max_seconds_per_level": 10, "seed": 0}  # fmt: skip
+    lost = f"ValueError: Cannot compile GenerativeMetrics: {loadgen.LOST_UPDATES}."
+    outcomes: list[tuple[int, str]] = []
+    calls: list[list[str]] = []
+
+    def fake_run(argv: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        calls.append(argv)
+        code, err = outcomes.pop(0)
+        if code == 0:
+            report = argv[argv.index("--output") + 1].removeprefix("kind=json,path=")
+            Path(report).write_text('{"benchmarks": []}')
+        return subprocess.CompletedProcess(argv, code, "", err)
+
+    monkeypatch.setattr(loadgen.subprocess, "run", fake_run)
+    outcomes[:] = [(1, lost), (0, "")]
+    assert loadgen._run_guidellm("http://x", "m", "tok", workload) == {"benchmarks": []}
+    assert len(calls) == 2 and "running it once more" in capsys.readouterr().out
+    outcomes[:] = [(1, lost), (1, lost)]
+    with pytest.raises(RuntimeError, match=r"guidellm exited with code 1: .*No measurement start"):
+        loadgen._run_guidellm("http://x", "m", "tok", workload)
+    assert len(calls) == 4
+    outcomes[:] = [(2, "ValueError: something else")]
+    with pytest.raises(RuntimeError, match="guidellm exited with code 2: ValueError: something else"):
+        loadgen._run_guidellm("http://x", "m", "tok", workload)
+    assert len(calls) == 5

@@ -7,7 +7,8 @@ Each artifact the issue asks for is a row per workload: output tokens/s at each 
 through its own deploy command, its ratio to the engine called directly with its defaults (the 0.95x
 target), TTFT and ITL at one stream, the share of its bandwidth bound, the KV cache its server
 allocated at the reservation it was given. Rows come from `bench_gpu.py run` and `serve-source`;
-for each card the latest file that served an artifact wins (files ordered by date, then run number).
+for each card and workload the latest file that served an artifact wins (files ordered by date,
+then run number).
 An engine setting tried beside a command (`settings`) is a row of its own. An artifact no file
 served is listed with the reason its latest row gives, or as never run."""
 
@@ -80,48 +81,50 @@ def _shape(load: dict[str, Any]) -> str:
     return f"{load['prompt_tokens']}/{load['output_tokens']}"
 
 
-def workload_lines(
+def _shape_order(shape: str) -> tuple[int, int]:
+    """`512/128` before `2048/256`: by prompt, then output tokens."""
+    prompt, _, output = shape.partition("/")
+    return int(prompt), int(output)
+
+
+def workload_line(
     label: str,
     engine: str,
     serving: dict[str, Any],
+    run: dict[str, Any],
     source: str,
-    earlier: tuple[str, dict[str, Any]] | None = None,
-) -> list[str]:
-    """One table line per workload of a passed serving record; where its raw side was not run,
-    the ratios of `earlier` (a results file's name and its latest serving record with a raw side),
+    earlier: tuple[str, str] | None = None,
+) -> str:
+    """The table line of one workload `run` of a passed serving record; where its raw side was not
+    run, `earlier`'s ratios (a results file's name and the range it measured on this workload),
     named as such."""
-    before = {_shape(run["workload"]): _ratio_range(run.get("levels") or {}) for run in
-              (earlier[1].get("workloads") or [])} if earlier else {}  # fmt: skip
     kv = serving.get("kv_cache") or {}
     setting = ", ".join(f"{k} {v}" for k, v in (serving.get("memory_setting") or {}).items())
     cache = f"{kv['tokens']:,} tokens" + (f" at {setting}" if setting else "") if kv else "–"
-    lines = []
-    for run in serving.get("workloads") or []:
-        load, levels = run["workload"], run.get("levels") or {}
-        rates = []
-        for c in LEVELS:
-            level = levels.get(c)
-            ours = _ours(level or {})
-            rates.append(_num(ours.get("output_tokens_per_s"), ",.1f") + _mark(ours) if level else "–")
-        ratio = _ratio_range(levels) or "–"
-        if ratio == "–" and serving.get("raw_status") not in (None, "passed"):  # `close`: the lease ended
-            ratio = f"raw {serving['raw_status']}"
-            if earlier and before.get(_shape(load)):
-                ratio += f"; {before[_shape(load)]} in {earlier[0]}"
-        one = _ours(levels.get("1") or {})
-        bound = run.get("decode_bound") or {}
-        share = (
-            f"{bound['share_c1']:.0%} of {bound['bound_tokens_per_s']:,.0f}"
-            + (" (flagged)" if bound.get("flag") else "")
-            if bound.get("share_c1") is not None
-            else "–"
-        )
-        lines.append(
-            f"| {label} | {engine} | {load['prompt_tokens']}/{load['output_tokens']} | {' | '.join(rates)} | "
-            f"{ratio} | {_num(one.get('ttft_ms_p50'), '.0f')} / {_num(one.get('ttft_ms_p99'), '.0f')} | "
-            f"{_num(one.get('itl_ms_p50'), '.2f')} | {share} | {cache} | {source} |"
-        )
-    return lines
+    load, levels = run["workload"], run.get("levels") or {}
+    rates = []
+    for c in LEVELS:
+        level = levels.get(c)
+        ours = _ours(level or {})
+        rates.append(_num(ours.get("output_tokens_per_s"), ",.1f") + _mark(ours) if level else "–")
+    ratio = _ratio_range(levels) or "–"
+    if ratio == "–" and serving.get("raw_status") not in (None, "passed"):  # `close`: the lease ended
+        ratio = f"raw {serving['raw_status']}"
+        if earlier:
+            ratio += f"; {earlier[1]} in {earlier[0]}"
+    one = _ours(levels.get("1") or {})
+    bound = run.get("decode_bound") or {}
+    share = (
+        f"{bound['share_c1']:.0%} of {bound['bound_tokens_per_s']:,.0f}"
+        + (" (flagged)" if bound.get("flag") else "")
+        if bound.get("share_c1") is not None
+        else "–"
+    )
+    return (
+        f"| {label} | {engine} | {load['prompt_tokens']}/{load['output_tokens']} | {' | '.join(rates)} | "
+        f"{ratio} | {_num(one.get('ttft_ms_p50'), '.0f')} / {_num(one.get('ttft_ms_p99'), '.0f')} | "
+        f"{_num(one.get('itl_ms_p50'), '.2f')} | {share} | {cache} | {source} |"
+    )
 
 
 def setting_lines(label: str, engine: str, settings: dict[str, Any], source: str) -> list[str]:
@@ -167,8 +170,10 @@ def _why_not(row: dict[str, Any] | None) -> str:
 def table(files: list[Path]) -> str:
     """The markdown: one section per card, then what no card has served."""
     rows = load_rows(files)
-    cards: dict[str, dict[tuple[str, str], tuple[Path, dict[str, Any]]]] = {}
-    with_raw: dict[str, dict[tuple[str, str], tuple[str, dict[str, Any]]]] = {}  # latest raw side run
+    # card -> (target, engine) -> workload shape -> the latest file, serving record and run of it
+    # (a later run of one workload leaves another workload's earlier row standing)
+    cards: dict[str, dict[tuple[str, str], dict[str, tuple[Path, dict[str, Any], dict[str, Any]]]]] = {}
+    with_raw: dict[str, dict[tuple[str, str, str], tuple[str, str]]] = {}  # latest measured ratios
     latest: dict[tuple[str, str], dict[str, Any]] = {}
     # every settings sweep, also one of a run that did not serve the artifact again (`settings`
     # without `serve`: its deploy command's numbers are an earlier file's)
@@ -181,9 +186,11 @@ def table(files: list[Path]) -> str:
             sweeps.setdefault(card, []).append((path, row))
         serving = row.get("serving") or {}
         if serving.get("status") == "passed":
-            cards.setdefault(card, {})[key] = (path, row)
-            if any(_ratio_range(run.get("levels") or {}) for run in serving.get("workloads") or []):
-                with_raw.setdefault(card, {})[key] = (path.name, serving)
+            for run in serving.get("workloads") or []:
+                shape = _shape(run["workload"])
+                cards.setdefault(card, {}).setdefault(key, {})[shape] = (path, serving, run)
+                if ratios := _ratio_range(run.get("levels") or {}):
+                    with_raw.setdefault(card, {})[(*key, shape)] = (path.name, ratios)
     out = [
         "# The serving table, measured (issue 26)",
         "",
@@ -205,10 +212,11 @@ def table(files: list[Path]) -> str:
         ]
         tried = []
         for target, engine, label in EXPECTED:
-            if (target, engine) in served:
-                path, row = served[(target, engine)]
-                earlier = with_raw.get(card, {}).get((target, engine))
-                out += workload_lines(label, engine, row["serving"], path.name, earlier)
+            for shape, (path, serving, run) in sorted(
+                served.get((target, engine), {}).items(), key=lambda kv: _shape_order(kv[0])
+            ):
+                earlier = with_raw.get(card, {}).get((target, engine, shape))
+                out += [workload_line(label, engine, serving, run, path.name, earlier)]
             for path, row in sweeps.get(card, []):
                 if (row["target"], row.get("engine")) == (target, engine):
                     tried += setting_lines(label, engine, row["settings"], path.name)

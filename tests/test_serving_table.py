@@ -144,3 +144,19 @@ def test_a_sweep_of_a_run_that_did_not_serve_the_artifact_again_is_shown(tmp_pat
     assert "| 100.0 |" in next(line for line in text.splitlines() if line.startswith("| GPTQ"))
     assert "| GPTQ W4A16 g128 (llm-compressor) | vllm | marlin | 512/128 | 90.0 (0.900) | – | – | – |" in text
     assert "h100-2026-12-05-serving-run2.json |" in text
+
+
+def test_a_later_run_of_one_workload_leaves_the_other_workloads_row_standing(tmp_path: Path) -> None:
+    """ONE_WORKLOAD=1 on a later lease: its 512/128 row replaces the earlier one, the earlier
+    file's 2048/256 row stays, each naming its own file."""
+    both = _row("awq", "H100", 100.0)
+    longer = {"workload": {"prompt_tokens": 2048, "output_tokens": 256},
+              "levels": {"1": _level(50.0)}, "decode_bound": {}}  # fmt: skip
+    both["serving"]["workloads"].append(longer)
+    first = _write(tmp_path / "h100-2026-12-05-serving.json", [both])
+    later = _write(tmp_path / "h100-2026-12-06-serving-run3.json", [_row("awq", "H100", 200.0)])
+    text = serving_table.table([first, later])
+    awq = [line for line in text.splitlines() if line.startswith("| AWQ W4A16 g128 (llm-compressor) | vllm")]
+    assert len(awq) == 2
+    assert "| 512/128 | 200.0 |" in awq[0] and awq[0].endswith("| h100-2026-12-06-serving-run3.json |")
+    assert "| 2048/256 | 50.0 |" in awq[1] and awq[1].endswith("| h100-2026-12-05-serving.json |")

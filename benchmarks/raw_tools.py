@@ -91,7 +91,8 @@ def gptqmodel(req: dict[str, Any]) -> None:
     else:
         config = GPTQConfig(
             **common,
-            desc_act=req.get("act_order") is not None,
+            desc_act=False,  # as the pipeline's worker: act_order is group-aware reordering
+            **({"act_group_aware": True} if req.get("act_order") else {}),
             damp_percent=req["dampening_frac"],
             true_sequential=True,
             format=FORMAT.GPTQ,

@@ -447,3 +447,22 @@ def test_select_ranks_the_h100_s_three_ggufs_and_accuracy_by_kld_where_every_one
     both = select(mixed, Scenario(gpu_arch="sm90", objective="accuracy"))
     assert _names(both["ranked"])[0] == "gguf-q4_0@llama.cpp"  # |ΔPPL| 0.13
     assert "accuracy ranked by |ΔPPL|" in both["ranked"][0]["reasons"][-1]
+
+
+def test_select_ranks_the_h100_s_three_w4a16_records_and_names_the_flagged_one(tmp_path: Path) -> None:
+    """The H100's W4A16 manifests of one 7B-shaped source (2026-12-05 run3 GPTQ, 2026-12-06 run3
+    AWQ and GPTQModel GPTQ, each on Machete): llm-compressor's GPTQ wins one stream (233.8 tokens/s)
+    and GPTQModel's comes last (199.1, the desc_act checkpoint), flagged below 30 % of its bound."""
+    runs = {
+        "gptq": "run3-gptq",
+        "awq": "2026-12-06-serving-run3-awq",
+        "gptq-gptqmodel": "2026-12-06-serving-run3-gptq-gptqmodel",
+    }
+    reg = _h100_registry(tmp_path, runs)
+    one = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=1))
+    assert _names(one["ranked"]) == ["gptq@vllm", "awq@vllm", "gptq-gptqmodel@vllm"]
+    last = " ".join(one["ranked"][-1]["reasons"])
+    assert "on NVIDIA H100 80GB HBM3: 199.1 output tokens/s" in last
+    assert "27% of its 741 tokens/s bandwidth bound (below 30% of its bandwidth bound" in last
+    full = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=128))
+    assert "6010.0 output tokens/s" in " ".join(full["ranked"][-1]["reasons"])

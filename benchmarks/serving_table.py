@@ -8,7 +8,8 @@ through its own deploy command, its ratio to the engine called directly with its
 target), TTFT and ITL at one stream, the share of its bandwidth bound, the KV cache its server
 allocated at the reservation it was given. Rows come from `bench_gpu.py run` and `serve-source`;
 for each card and workload the latest file that served an artifact wins (files ordered by date,
-then run number).
+then run number); a served artifact missing one of the two workloads or a project / raw ratio is
+listed under its gaps.
 An engine setting tried beside a command (`settings`) is a row of its own. An artifact no file
 served is listed with the reason its latest row gives, or as never run."""
 
@@ -35,6 +36,7 @@ EXPECTED: tuple[tuple[str, str, str], ...] = (
     ("gguf-iq4_xs", "llama.cpp", "GGUF IQ4_XS (imatrix)"),
 )
 LEVELS = ("1", "8", "32", "128")
+WORKLOADS = ("512/128", "2048/256")  # the issue's two, as the serving recipes run them
 RUN = re.compile(r"(\d{4}-\d{2}-\d{2})(?:-serving)?(?:-run(\d+))?")
 
 
@@ -236,7 +238,33 @@ def table(files: list[Path]) -> str:
         for target, engine, label in missing:
             why = _why_not(latest.get((target, engine)) or latest.get((target, None)))
             out.append(f"- {label} in {engine} (`{target}`): {why}")
+    gaps = _gaps(cards, with_raw)
+    if gaps:
+        out += ["", "## Served, with gaps", "", *gaps]
     return "\n".join(out) + "\n"
+
+
+def _gaps(
+    cards: dict[str, dict[tuple[str, str], dict[str, Any]]],
+    with_raw: dict[str, dict[tuple[str, str, str], tuple[str, str]]],
+) -> list[str]:
+    """Each served artifact's workloads no card measured, and those without a project / raw ratio
+    on any card (the bf16 source's row is the engine with its defaults: it has no raw side)."""
+    lines = []
+    for target, engine, label in EXPECTED:
+        shapes = {shape for served in cards.values() for shape in served.get((target, engine), {})}
+        if not shapes:
+            continue
+        said = []
+        if absent := [w for w in WORKLOADS if w not in shapes]:
+            said.append(f"{', '.join(absent)} not served")
+        ratios = {key for measured in with_raw.values() for key in measured}
+        unratioed = sorted((w for w in shapes if (target, engine, w) not in ratios), key=_shape_order)
+        if unratioed and not target.startswith("source"):
+            said.append(f"no project / raw ratio at {', '.join(unratioed)}")
+        if said:
+            lines.append(f"- {label} in {engine} (`{target}`): {'; '.join(said)}")
+    return lines
 
 
 def main() -> None:

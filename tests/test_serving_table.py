@@ -160,3 +160,14 @@ def test_a_later_run_of_one_workload_leaves_the_other_workloads_row_standing(tmp
     assert len(awq) == 2
     assert "| 512/128 | 200.0 |" in awq[0] and awq[0].endswith("| h100-2026-12-06-serving-run3.json |")
     assert "| 2048/256 | 50.0 |" in awq[1] and awq[1].endswith("| h100-2026-12-05-serving.json |")
+
+
+def test_a_served_artifact_missing_a_workload_or_its_ratio_is_listed_with_its_gaps(tmp_path: Path) -> None:
+    rows = [_row("gptq", "H100", 100.0), _row("awq", "H100", 100.0, ratio=None)]
+    text = serving_table.table([_write(tmp_path / "h100-2026-12-06-serving.json", rows)])
+    gaps = text[text.index("## Served, with gaps") :].splitlines()
+    assert "- GPTQ W4A16 g128 (llm-compressor) in vllm (`gptq`): 2048/256 not served" in gaps
+    assert (
+        "- AWQ W4A16 g128 (llm-compressor) in vllm (`awq`): 2048/256 not served; "
+        "no project / raw ratio at 512/128"
+    ) in gaps

@@ -8,8 +8,9 @@ through its own deploy command, its ratio to the engine called directly with its
 target), TTFT and ITL at one stream, the share of its bandwidth bound, the KV cache its server
 allocated at the reservation it was given. Rows come from `bench_gpu.py run` and `serve-source`;
 for each card and workload the latest file that served an artifact wins (files ordered by date,
-then run number); a served artifact missing one of the two workloads or a project / raw ratio is
-listed under its gaps.
+then run number), a workload that failed leaving an earlier row standing; under each card, a
+served artifact missing one of the two workloads, measured over a fixed window only or without a
+project / raw ratio is listed with its gaps.
 An engine setting tried beside a command (`settings`) is a row of its own. An artifact no file
 served is listed with the reason its latest row gives, or as never run."""
 
@@ -21,9 +22,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+SOURCE = "source (vLLM defaults)"  # bench_gpu.py serve-source's row
 # (target, engine, what it is): the issue's artifacts, in the order the table shows them
 EXPECTED: tuple[tuple[str, str, str], ...] = (
-    ("source (vLLM defaults)", "vllm", "BF16 source, vLLM with its defaults"),
+    (SOURCE, "vllm", "BF16 source, vLLM with its defaults"),
     ("gptq", "vllm", "GPTQ W4A16 g128 (llm-compressor)"),
     ("awq", "vllm", "AWQ W4A16 g128 (llm-compressor)"),
     ("gptq-gptqmodel", "vllm", "GPTQ W4A16 g128 (GPTQModel)"),
@@ -170,7 +172,8 @@ def _why_not(row: dict[str, Any] | None) -> str:
 
 
 def table(files: list[Path]) -> str:
-    """The markdown: one section per card, then what no card has served."""
+    """The markdown: one section per card (its rows, its gaps, its settings sweeps), then what no
+    card has served."""
     rows = load_rows(files)
     # card -> (target, engine) -> workload shape -> the latest file, serving record and run of it
     # (a later run of one workload leaves another workload's earlier row standing)
@@ -189,6 +192,8 @@ def table(files: list[Path]) -> str:
         serving = row.get("serving") or {}
         if serving.get("status") == "passed":
             for run in serving.get("workloads") or []:
+                if not run.get("levels"):  # a workload that failed: an earlier run's row stands
+                    continue
                 shape = _shape(run["workload"])
                 cards.setdefault(card, {}).setdefault(key, {})[shape] = (path, serving, run)
                 if ratios := _ratio_range(run.get("levels") or {}):
@@ -222,6 +227,8 @@ def table(files: list[Path]) -> str:
             for path, row in sweeps.get(card, []):
                 if (row["target"], row.get("engine")) == (target, engine):
                     tried += setting_lines(label, engine, row["settings"], path.name)
+        if gaps := _gaps(served, with_raw.get(card, {})):
+            out += ["", "Served on this card, with gaps:", "", *gaps]
         if tried:
             out += [
                 "",
@@ -238,29 +245,32 @@ def table(files: list[Path]) -> str:
         for target, engine, label in missing:
             why = _why_not(latest.get((target, engine)) or latest.get((target, None)))
             out.append(f"- {label} in {engine} (`{target}`): {why}")
-    gaps = _gaps(cards, with_raw)
-    if gaps:
-        out += ["", "## Served, with gaps", "", *gaps]
     return "\n".join(out) + "\n"
 
 
 def _gaps(
-    cards: dict[str, dict[tuple[str, str], dict[str, Any]]],
-    with_raw: dict[str, dict[tuple[str, str, str], tuple[str, str]]],
+    served: dict[tuple[str, str], dict[str, tuple[Path, dict[str, Any], dict[str, Any]]]],
+    ratios: dict[tuple[str, str, str], tuple[str, str]],
 ) -> list[str]:
-    """Each served artifact's workloads no card measured, and those without a project / raw ratio
-    on any card (the bf16 source's row is the engine with its defaults: it has no raw side)."""
+    """On one card: each served artifact's workloads it has no row for, those measured over a
+    fixed window only (not comparable), and those without a project / raw ratio (the bf16 source's
+    row is the engine with its defaults: it has no raw side)."""
     lines = []
     for target, engine, label in EXPECTED:
-        shapes = {shape for served in cards.values() for shape in served.get((target, engine), {})}
-        if not shapes:
+        runs = served.get((target, engine), {})
+        if not runs:
             continue
         said = []
-        if absent := [w for w in WORKLOADS if w not in shapes]:
+        if absent := [w for w in WORKLOADS if w not in runs]:
             said.append(f"{', '.join(absent)} not served")
-        ratios = {key for measured in with_raw.values() for key in measured}
-        unratioed = sorted((w for w in shapes if (target, engine, w) not in ratios), key=_shape_order)
-        if unratioed and not target.startswith("source"):
+        shapes = sorted(runs, key=_shape_order)
+        windowed = [
+            w for w in shapes if any(_mark(_ours(lv)) == " w" for lv in runs[w][2]["levels"].values())
+        ]
+        if windowed:
+            said.append(f"{', '.join(windowed)} measured over a fixed window only")
+        unratioed = [w for w in shapes if (target, engine, w) not in ratios]
+        if unratioed and target != SOURCE:
             said.append(f"no project / raw ratio at {', '.join(unratioed)}")
         if said:
             lines.append(f"- {label} in {engine} (`{target}`): {'; '.join(said)}")

@@ -162,12 +162,44 @@ def test_a_later_run_of_one_workload_leaves_the_other_workloads_row_standing(tmp
     assert "| 2048/256 | 50.0 |" in awq[1] and awq[1].endswith("| h100-2026-12-05-serving.json |")
 
 
-def test_a_served_artifact_missing_a_workload_or_its_ratio_is_listed_with_its_gaps(tmp_path: Path) -> None:
+def test_a_served_artifact_missing_a_workload_or_its_ratio_is_listed_with_its_card_s_gaps(
+    tmp_path: Path,
+) -> None:
+    """Gaps go by card: the H200's 2048/256 row does not fill the H100's; a windowed row is one."""
     rows = [_row("gptq", "H100", 100.0), _row("awq", "H100", 100.0, ratio=None)]
-    text = serving_table.table([_write(tmp_path / "h100-2026-12-06-serving.json", rows)])
-    gaps = text[text.index("## Served, with gaps") :].splitlines()
-    assert "- GPTQ W4A16 g128 (llm-compressor) in vllm (`gptq`): 2048/256 not served" in gaps
+    other = _row("gptq", "H200", 100.0)
+    longer = {"workload": {"prompt_tokens": 2048, "output_tokens": 256},
+              "levels": {"1": {"output_tokens_per_s": 9.0}}, "decode_bound": {}}  # fmt: skip
+    other["serving"]["workloads"].append(longer)
+    text = serving_table.table(
+        [
+            _write(tmp_path / "h100-2026-12-06-serving.json", rows),
+            _write(tmp_path / "h200-2026-12-06-serving.json", [other]),
+        ]
+    )
+    h100 = text[text.index("## H100") : text.index("## H200")].splitlines()
+    assert "- GPTQ W4A16 g128 (llm-compressor) in vllm (`gptq`): 2048/256 not served" in h100
     assert (
         "- AWQ W4A16 g128 (llm-compressor) in vllm (`awq`): 2048/256 not served; "
         "no project / raw ratio at 512/128"
-    ) in gaps
+    ) in h100
+    h200 = text[text.index("## H200") :].splitlines()
+    assert (
+        "- GPTQ W4A16 g128 (llm-compressor) in vllm (`gptq`): 2048/256 measured over a fixed window only; "
+        "no project / raw ratio at 2048/256"
+    ) in h200
+
+
+def test_a_later_run_whose_workload_failed_leaves_the_earlier_row_standing(tmp_path: Path) -> None:
+    both = _row("awq", "H100", 100.0)
+    longer = {"workload": {"prompt_tokens": 2048, "output_tokens": 256},
+              "levels": {"1": _level(50.0)}, "decode_bound": {}}  # fmt: skip
+    both["serving"]["workloads"].append(longer)
+    first = _write(tmp_path / "h100-2026-12-05-serving.json", [both])
+    again = _row("awq", "H100", 200.0)
+    failed = {"workload": longer["workload"], "levels": {}, "status": "failed", "reason": "server died"}
+    again["serving"]["workloads"].append(failed)
+    later = _write(tmp_path / "h100-2026-12-06-serving-run3.json", [again])
+    awq = [line for line in serving_table.table([first, later]).splitlines() if line.startswith("| AWQ")]
+    assert len(awq) == 2 and "| 2048/256 | 50.0 |" in awq[1]
+    assert awq[1].endswith("| h100-2026-12-05-serving.json |")

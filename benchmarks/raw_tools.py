@@ -91,8 +91,9 @@ def gptqmodel(req: dict[str, Any]) -> None:
     else:
         config = GPTQConfig(
             **common,
-            desc_act=False,  # as the pipeline's worker: act_order is group-aware reordering
-            **({"act_group_aware": True} if req.get("act_order") else {}),
+            # as pipeline.workers.gptqmodel.activation_order: group-aware reordering with groups
+            desc_act=bool(req.get("act_order")) and req["group_size"] <= 0,
+            act_group_aware=req["group_size"] > 0,
             damp_percent=req["dampening_frac"],
             true_sequential=True,
             format=FORMAT.GPTQ,

@@ -117,29 +117,34 @@ def test_gptqmodel_writes_the_same_bytes_from_the_same_inputs(tiny_llama: Path, 
     assert "tmp" not in (outs[0] / "quantize_config.json").read_text()
 
 
-def test_gptqmodel_act_order_keeps_the_gptq_format_vllm_reads(tiny_llama: Path, tmp_path: Path) -> None:
-    """`act_order: static` through GPTQModel is its group-aware reordering: the checkpoint says
-    desc_act false, and vLLM's own GPTQ config check accepts it. (It asked for desc_act until
-    2026-12-06: group indices vLLM 0.32 refuses, and CUDA vLLM 0.26 served 0.85x as fast.)"""
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_gptqmodel_act_order_keeps_the_gptq_format_vllm_reads(
+    tiny_llama: Path, tmp_path: Path, group_size: int
+) -> None:
+    """`act_order: static` through GPTQModel: with groups its group-aware reordering (desc_act
+    false); with one group per channel, desc_act (no group indices to reorder; GPTQModel's
+    group-aware mode refuses -1). vLLM's own GPTQ config check accepts both. (Until 2026-12-06 it
+    asked for desc_act with groups: group indices vLLM 0.32 refuses.)"""
     request = {
         "op": "quantize", "method": "gptq", "model_dir": str(tiny_llama), "trust_remote_code": False,
         "text_path": str(Path(pipeline.__file__).parent / "data" / "gpl-3.0.txt"),
         "out_dir": str(tmp_path / "q"), "samples": 4, "seq_len": 64, "seed": 0, "bits": 4,
-        "group_size": 32, "symmetric": True,
+        "group_size": group_size, "symmetric": True,
         "ignore": ["lm_head"], "dtype": "bfloat16", "act_order": "static", "dampening_frac": 0.01,
     }  # fmt: skip
     got = run_step("gptqmodel", request, tmp_path / "gptqmodel.log")["quantization_config"]
-    assert got["desc_act"] is False and got["group_size"] == 32
+    grouped = group_size > 0
+    assert got["desc_act"] is not grouped and got["group_size"] == group_size
     written = read_json(tmp_path / "q" / "config.json")["quantization_config"]
-    assert written["meta"]["act_group_aware"] is True and written["desc_act"] is False
-    # vLLM's check, in vLLM's environment, on what was written and on the desc_act it replaced
+    assert written["meta"]["act_group_aware"] is grouped and written["desc_act"] is not grouped
+    # vLLM's check, in vLLM's environment, on what was written and on desc_act with groups
     check = (
         "import json, sys\n"
         "from vllm.model_executor.layers.quantization.utils.gptq_utils import "
         "normalize_and_validate_gptq_desc_act as check\n"
         "q = json.load(open(sys.argv[1]))['quantization_config']\n"
         "print(check(q['desc_act'], q['group_size'], q.get('dynamic') or {}))\n"
-        "try:\n    check(True, q['group_size'], {})\nexcept ValueError as e:\n    print('refused:', e)\n"
+        "try:\n    check(True, 32, {})\nexcept ValueError as e:\n    print('refused:', e)\n"
     )
     out = subprocess.run(
         [environment(ENV_VLLM).interpreter, "-c", check, str(tmp_path / "q" / "config.json")],

@@ -24,6 +24,18 @@ os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")
 OFFLOAD_DIR = "offload"  # relative to the quantize step's scratch directory
 
 
+def activation_order(act_order: str | bool | None, group_size: int) -> dict[str, bool]:
+    """GPTQConfig's ordering for the recipe's `act_order`. With groups: GPTQModel's group-aware
+    reordering (act_group_aware, its own default for GPTQ, so `act_order` left out gives the same),
+    calibration order only and the GPTQ format unchanged; never desc_act, whose activation-ordered
+    group indices (g_idx) vLLM 0.32 refuses and which CUDA vLLM 0.26 served at 0.85x the tokens/s of
+    llm-compressor's GPTQ (H100, 2026-12-06). One group per channel (-1): group-aware reordering
+    needs groups, and desc_act changes no format (vLLM treats it as off)."""
+    if group_size > 0:
+        return {"desc_act": False, "act_group_aware": True}
+    return {"desc_act": bool(act_order), "act_group_aware": False}
+
+
 def _versions() -> dict[str, str]:
     return installed_versions("gptqmodel", "torch", "transformers")
 
@@ -85,12 +97,7 @@ def _quantize(req: dict[str, Any]) -> dict[str, Any]:
 
         config = GPTQConfig(
             **common,
-            # `act_order` (static/weight) is GPTQModel's group-aware reordering (act_group_aware, also
-            # its default for GPTQ): calibration order only, the GPTQ format unchanged. desc_act would
-            # write activation-ordered group indices (g_idx), which vLLM 0.32 refuses and CUDA vLLM
-            # 0.26 served at 0.85x the tokens/s of a checkpoint without them (H100, 2026-12-06)
-            desc_act=False,
-            **({"act_group_aware": True} if req.get("act_order") else {}),
+            **activation_order(req.get("act_order"), req["group_size"]),
             damp_percent=req["dampening_frac"],
             true_sequential=True,
             format=FORMAT.GPTQ,

@@ -212,9 +212,10 @@ class GptqTarget(Int4Target):
 
     `act_order: static` (or `weight`, its llm-compressor alias) reorders columns at quantization
     time only; `group`/dynamic reordering is not offered because vLLM refuses it for grouped
-    checkpoints. With `backend: gptqmodel` it is GPTQModel's group-aware reordering
+    checkpoints. With `backend: gptqmodel` and groups it is GPTQModel's group-aware reordering
     (`act_group_aware`, which GPTQModel also applies when `act_order` is left out), never its
-    `desc_act`, whose group indices vLLM 0.32 refuses.
+    `desc_act`, whose group indices vLLM 0.32 refuses (`group_size: -1`: `desc_act`, which changes
+    no format there).
 
     ```yaml
     gptq: {kind: gptq, group_size: 64, gates: {max_ppl_delta_pct: 35, max_kld_topk_mean: 0.3}}

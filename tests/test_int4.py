@@ -132,8 +132,10 @@ def test_gptqmodel_act_order_keeps_the_gptq_format_vllm_reads(
         "group_size": group_size, "symmetric": True,
         "ignore": ["lm_head"], "dtype": "bfloat16", "act_order": "static", "dampening_frac": 0.01,
     }  # fmt: skip
-    got = run_step("gptqmodel", request, tmp_path / "gptqmodel.log")["quantization_config"]
+    reply = run_step("gptqmodel", request, tmp_path / "gptqmodel.log")
+    got = reply["quantization_config"]
     grouped = group_size > 0
+    assert reply["activation_order"] == ("group-aware" if grouped else "desc_act")
     assert got["desc_act"] is not grouped and got["group_size"] == group_size
     written = read_json(tmp_path / "q" / "config.json")["quantization_config"]
     assert written["meta"]["act_group_aware"] is grouped and written["desc_act"] is not grouped
@@ -153,6 +155,25 @@ def test_gptqmodel_act_order_keeps_the_gptq_format_vllm_reads(
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert lines[0] == "False" and lines[1].startswith("refused: GPTQ group activation ordering")
+
+
+def test_llm_compressor_records_its_gptq_activation_order(tiny_llama: Path, tmp_path: Path) -> None:
+    """llm-compressor's `actorder` as its checkpoint holds it (static: calibration order only, no
+    group indices written)."""
+    from safetensors import safe_open
+
+    request = {
+        "op": "quantize", "method": "gptq", "model_dir": str(tiny_llama), "trust_remote_code": False,
+        "text_path": str(Path(pipeline.__file__).parent / "data" / "gpl-3.0.txt"),
+        "out_dir": str(tmp_path / "q"), "samples": 4, "seq_len": 64, "seed": 0, "bits": 4,
+        "group_size": 32, "symmetric": True,
+        "ignore": ["lm_head"], "dtype": "bfloat16", "act_order": "static", "dampening_frac": 0.01,
+    }  # fmt: skip
+    reply = run_step("llmcompressor", request, tmp_path / "llmcompressor.log")
+    assert reply["activation_order"] == "static"
+    with safe_open(tmp_path / "q" / "model.safetensors", framework="pt") as weights:
+        names = list(weights.keys())
+    assert any(n.endswith("weight_packed") for n in names) and not any(n.endswith("g_idx") for n in names)
 
 
 def test_the_quantizer_environment_is_part_of_the_inputs(

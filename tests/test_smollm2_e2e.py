@@ -147,6 +147,9 @@ def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> N
         q, v = m["quantization"], m["validation"]
         assert m["engine"] == "vllm" and q["quant_method"] == quant_method
         assert q["library"] == library and q["calibration"]["dataset_sha256"]
+        # the column order the checkpoint holds: GPTQModel's group-aware reordering is its GPTQ
+        # default (the recipe sets no act_order); AWQ has none
+        assert q["activation_order"] == {"awq": None, "gptq": "group-aware"}[method]
         assert q["library_version"] == m["toolchain"][library.replace("-", "")][library.replace("-", "")]
         # (+ sglang's where it exists, guidellm's: the serving benchmark's load generator)
         assert set(m["toolchain"]) - {"sglang", "guidellm"} == {library.replace("-", ""), "vllm"}

@@ -142,6 +142,7 @@ class Int4Target(Target):
                 "quant_method": qcfg.get("quant_method"),
                 "format": qcfg.get("format"),
                 "scheme": f"W{self.bits}A16 group {self.group_size} {'sym' if self.symmetric else 'asym'}",
+                "activation_order": result.get("activation_order"),  # GPTQ's, as the checkpoint holds it
                 "library": self.backend,
                 "library_version": result["toolchain"][dist],
                 "seconds": round(result["seconds"], 1),

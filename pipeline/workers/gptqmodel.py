@@ -123,8 +123,11 @@ def _quantize(req: dict[str, Any]) -> dict[str, Any]:
     qcfg = json.loads((out / "config.json").read_text()).get("quantization_config") or {}
     if not qcfg:
         raise ValueError("GPTQModel wrote no quantization_config")
+    meta = qcfg.get("meta") or {}
+    ordered = "group-aware" if meta.get("act_group_aware") else "desc_act" if qcfg.get("desc_act") else None
     return {
         "quantization_config": {k: v for k, v in qcfg.items() if k != "meta"},
+        "activation_order": ordered if req["method"] == "gptq" else None,
         "seconds": seconds,
         "chunks": len(chunks),
         "tokens": sum(len(c) for c in chunks),

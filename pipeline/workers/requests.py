@@ -288,6 +288,9 @@ class Quantized(Reply):
     """llm-compressor's and GPTQModel's AWQ/GPTQ."""
 
     quantization_config: dict[str, Any]
+    # GPTQ's column order as the checkpoint holds it: llm-compressor's `actorder` (`weight`),
+    # GPTQModel's `group-aware` or `desc_act` (group indices in activation order); None: plain
+    activation_order: str | None = None
     toolchain: dict[str, str | None]
     seconds: float
     device: str

@@ -100,9 +100,10 @@ def op_quantize(req: dict[str, Any]) -> dict[str, Any]:
     if not qcfg:
         raise ValueError("llm-compressor wrote no quantization_config")
     orders = {(g.get("weights") or {}).get("actorder") for g in (qcfg.get("config_groups") or {}).values()}
+    order = next(iter(orders)) if len(orders) == 1 else ",".join(sorted(map(str, orders))) or None
     return {
         "quantization_config": qcfg,
-        "activation_order": next(iter(orders)) if len(orders) == 1 else ",".join(sorted(map(str, orders))),
+        "activation_order": order,  # GPTQ's actorder as written (one per config group)
         "seconds": seconds,
         "chunks": len(chunks),
         "tokens": sum(len(c) for c in chunks),

@@ -196,7 +196,7 @@ def table(files: list[Path]) -> str:
                     continue
                 shape = _shape(run["workload"])
                 cards.setdefault(card, {}).setdefault(key, {})[shape] = (path, serving, run)
-                if ratios := _ratio_range(run.get("levels") or {}):
+                if ratios := _ratio_range(run["levels"]):
                     with_raw.setdefault(card, {})[(*key, shape)] = (path.name, ratios)
     out = [
         "# The serving table, measured (issue 26)",

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -96,16 +97,22 @@ def test_a_crashed_sglang_verdict_fails_the_build_and_never_resolves(
             registry.resolve("tiny", "vllm", "awq-w4a16-g32")
 
 
-def test_gptqmodel_writes_the_same_bytes_from_the_same_inputs(tiny_llama: Path, tmp_path: Path) -> None:
-    """Two GPTQModel quantizations with one request give byte-identical artifacts: its configs name
-    no fresh temp dir (its disk offload's path) and no per-layer wall times are saved beside the
-    weights (quant_log.csv goes to the step's log)."""
+def _gptq_request(model: Path, out: Path | None, **overrides: Any) -> dict[str, Any]:
+    """A quantizer worker's GPTQ request on the tiny Llama: 4 x 64 tokens, group 32."""
     request = {
-        "op": "quantize", "method": "gptq", "model_dir": str(tiny_llama), "trust_remote_code": False,
+        "op": "quantize", "method": "gptq", "model_dir": str(model), "trust_remote_code": False,
         "text_path": str(Path(pipeline.__file__).parent / "data" / "gpl-3.0.txt"),
         "samples": 4, "seq_len": 64, "seed": 0, "bits": 4, "group_size": 32, "symmetric": True,
         "ignore": ["lm_head"], "dtype": "bfloat16", "act_order": None, "dampening_frac": 0.01,
     }  # fmt: skip
+    return request | ({"out_dir": str(out)} if out else {}) | overrides
+
+
+def test_gptqmodel_writes_the_same_bytes_from_the_same_inputs(tiny_llama: Path, tmp_path: Path) -> None:
+    """Two GPTQModel quantizations with one request give byte-identical artifacts: its configs name
+    no fresh temp dir (its disk offload's path) and no per-layer wall times are saved beside the
+    weights (quant_log.csv goes to the step's log)."""
+    request = _gptq_request(tiny_llama, None)
     outs = [tmp_path / "a", tmp_path / "b"]
     for out in outs:
         run_step("gptqmodel", {**request, "out_dir": str(out)}, tmp_path / "gptqmodel.log")
@@ -125,13 +132,7 @@ def test_gptqmodel_act_order_keeps_the_gptq_format_vllm_reads(
     false); with one group per channel, desc_act (no group indices to reorder; GPTQModel's
     group-aware mode refuses -1). vLLM's own GPTQ config check accepts both. (Until 2026-12-06 it
     asked for desc_act with groups: group indices vLLM 0.32 refuses.)"""
-    request = {
-        "op": "quantize", "method": "gptq", "model_dir": str(tiny_llama), "trust_remote_code": False,
-        "text_path": str(Path(pipeline.__file__).parent / "data" / "gpl-3.0.txt"),
-        "out_dir": str(tmp_path / "q"), "samples": 4, "seq_len": 64, "seed": 0, "bits": 4,
-        "group_size": group_size, "symmetric": True,
-        "ignore": ["lm_head"], "dtype": "bfloat16", "act_order": "static", "dampening_frac": 0.01,
-    }  # fmt: skip
+    request = _gptq_request(tiny_llama, tmp_path / "q", group_size=group_size, act_order="static")
     reply = run_step("gptqmodel", request, tmp_path / "gptqmodel.log")
     got = reply["quantization_config"]
     grouped = group_size > 0
@@ -162,13 +163,7 @@ def test_llm_compressor_records_its_gptq_activation_order(tiny_llama: Path, tmp_
     group indices written)."""
     from safetensors import safe_open
 
-    request = {
-        "op": "quantize", "method": "gptq", "model_dir": str(tiny_llama), "trust_remote_code": False,
-        "text_path": str(Path(pipeline.__file__).parent / "data" / "gpl-3.0.txt"),
-        "out_dir": str(tmp_path / "q"), "samples": 4, "seq_len": 64, "seed": 0, "bits": 4,
-        "group_size": 32, "symmetric": True,
-        "ignore": ["lm_head"], "dtype": "bfloat16", "act_order": "static", "dampening_frac": 0.01,
-    }  # fmt: skip
+    request = _gptq_request(tiny_llama, tmp_path / "q", act_order="static")
     reply = run_step("llmcompressor", request, tmp_path / "llmcompressor.log")
     assert reply["activation_order"] == "static"
     with safe_open(tmp_path / "q" / "model.safetensors", framework="pt") as weights:

@@ -35,6 +35,13 @@ def _row(target: str, device: str, tps: float, **level: Any) -> dict[str, Any]:
     return {"target": target, "engine": "vllm", "device": device, "status": "passed", "serving": serving}
 
 
+def _with_longer(row: dict[str, Any], levels: dict[str, Any]) -> dict[str, Any]:
+    """`row` with a second workload, 2048/256 tokens, of these levels."""
+    longer = {"workload": {"prompt_tokens": 2048, "output_tokens": 256}, "levels": levels, "decode_bound": {}}
+    row["serving"]["workloads"].append(longer)
+    return row
+
+
 def _write(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.write_text(json.dumps(rows))
     return path
@@ -149,10 +156,7 @@ def test_a_sweep_of_a_run_that_did_not_serve_the_artifact_again_is_shown(tmp_pat
 def test_a_later_run_of_one_workload_leaves_the_other_workloads_row_standing(tmp_path: Path) -> None:
     """ONE_WORKLOAD=1 on a later lease: its 512/128 row replaces the earlier one, the earlier
     file's 2048/256 row stays, each naming its own file."""
-    both = _row("awq", "H100", 100.0)
-    longer = {"workload": {"prompt_tokens": 2048, "output_tokens": 256},
-              "levels": {"1": _level(50.0)}, "decode_bound": {}}  # fmt: skip
-    both["serving"]["workloads"].append(longer)
+    both = _with_longer(_row("awq", "H100", 100.0), {"1": _level(50.0)})
     first = _write(tmp_path / "h100-2026-12-05-serving.json", [both])
     later = _write(tmp_path / "h100-2026-12-06-serving-run3.json", [_row("awq", "H100", 200.0)])
     text = serving_table.table([first, later])
@@ -167,10 +171,7 @@ def test_a_served_artifact_missing_a_workload_or_its_ratio_is_listed_with_its_ca
 ) -> None:
     """Gaps go by card: the H200's 2048/256 row does not fill the H100's; a windowed row is one."""
     rows = [_row("gptq", "H100", 100.0), _row("awq", "H100", 100.0, ratio=None)]
-    other = _row("gptq", "H200", 100.0)
-    longer = {"workload": {"prompt_tokens": 2048, "output_tokens": 256},
-              "levels": {"1": {"output_tokens_per_s": 9.0}}, "decode_bound": {}}  # fmt: skip
-    other["serving"]["workloads"].append(longer)
+    other = _with_longer(_row("gptq", "H200", 100.0), {"1": {"output_tokens_per_s": 9.0}})
     text = serving_table.table(
         [
             _write(tmp_path / "h100-2026-12-06-serving.json", rows),
@@ -191,14 +192,10 @@ def test_a_served_artifact_missing_a_workload_or_its_ratio_is_listed_with_its_ca
 
 
 def test_a_later_run_whose_workload_failed_leaves_the_earlier_row_standing(tmp_path: Path) -> None:
-    both = _row("awq", "H100", 100.0)
-    longer = {"workload": {"prompt_tokens": 2048, "output_tokens": 256},
-              "levels": {"1": _level(50.0)}, "decode_bound": {}}  # fmt: skip
-    both["serving"]["workloads"].append(longer)
+    both = _with_longer(_row("awq", "H100", 100.0), {"1": _level(50.0)})
     first = _write(tmp_path / "h100-2026-12-05-serving.json", [both])
     again = _row("awq", "H100", 200.0)
-    failed = {"workload": longer["workload"], "levels": {}, "status": "failed", "reason": "server died"}
-    again["serving"]["workloads"].append(failed)
+    _with_longer(again, {})["serving"]["workloads"][-1] |= {"status": "failed", "reason": "server died"}
     later = _write(tmp_path / "h100-2026-12-06-serving-run3.json", [again])
     awq = [line for line in serving_table.table([first, later]).splitlines() if line.startswith("| AWQ")]
     assert len(awq) == 2 and "| 2048/256 | 50.0 |" in awq[1]

@@ -22,6 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # The pipeline's own (stdlib-only) text selection, so the raw tool sees the same tokens
 from pipeline.workers.calibration import calibration_chunks, read_text
+from pipeline.workers.gptqmodel import activation_order
 from pipeline.workers.scoring import windows
 
 
@@ -91,9 +92,7 @@ def gptqmodel(req: dict[str, Any]) -> None:
     else:
         config = GPTQConfig(
             **common,
-            # as pipeline.workers.gptqmodel.activation_order: group-aware reordering with groups
-            desc_act=bool(req.get("act_order")) and req["group_size"] <= 0,
-            act_group_aware=req["group_size"] > 0,
+            **activation_order(req.get("act_order"), req["group_size"]),  # the worker's mapping
             damp_percent=req["dampening_frac"],
             true_sequential=True,
             format=FORMAT.GPTQ,

@@ -17,10 +17,6 @@ from typing import Any
 from pipeline.workers.calibration import calibration_chunks, document_ids, read_text
 from pipeline.workers.protocol import installed_versions, worker_main
 
-# GPTQModel splits a CPU into worker pools and refuses to start with fewer than it asks for; the
-# packing C++ extension it would compile on first use is replaced by its pure-torch path.
-os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count() or 1))
-os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")
 OFFLOAD_DIR = "offload"  # relative to the quantize step's scratch directory
 
 
@@ -60,6 +56,12 @@ def op_quantize(req: dict[str, Any]) -> dict[str, Any]:
 
 
 def _quantize(req: dict[str, Any]) -> dict[str, Any]:
+    # Set before GPTQModel is imported, here rather than at module level so that importing this
+    # module (benchmarks/raw_tools.py reads activation_order) changes nothing: GPTQModel splits a
+    # CPU into worker pools and refuses to start with fewer than it asks for; the packing C++
+    # extension it would compile on first use is replaced by its pure-torch path.
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count() or 1))
+    os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")
     import torch
     from gptqmodel import BACKEND, GPTQModel
     from gptqmodel.quantization import FORMAT

@@ -13,7 +13,14 @@ from typing import Any, Protocol
 from pipeline import preflight
 from pipeline.artifacts import Layout, cached_step, read_key
 from pipeline.constants import ENGINES, ENV_TRANSFORMERS
-from pipeline.environments import StepUsage, check_step_request, environment_exists, run_step
+from pipeline.environments import (
+    StepUsage,
+    check_step_request,
+    environment,
+    environment_exists,
+    run_step,
+    worker_sources_sha256,
+)
 from pipeline.hashing import file_sha256, json_sha256
 from pipeline.source import ResolvedSource, model_config
 from pipeline.spec import CalibrationOverride, LoadedRecipe, ServeSpec, TargetSpec
@@ -78,7 +85,10 @@ class BuildContext:
     def toolchain(self, env: str) -> dict[str, Any]:
         """What env's worker says of itself: `toolchain` (versions), sometimes `gpu`; asked once."""
         if env not in self._toolchains:
-            self._toolchains[env] = self.step(env, {"op": "toolchain"}, "toolchain")
+            reply = self.step(env, {"op": "toolchain"}, "toolchain")
+            # the worker's own code beside the versions and lock: it decides the artifact's bytes too
+            reply["toolchain"]["worker_sha256"] = worker_sources_sha256(environment(env).worker)
+            self._toolchains[env] = reply
         return self._toolchains[env]
 
     def versions(self, env: str) -> dict[str, str | None]:

@@ -13,8 +13,10 @@ or a JSON error with a one-line message (pipeline.workers.protocol is the other 
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -50,6 +52,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # says "basic_ios::clear: iostream error", numpy "884736 requested and 476224 written".
 OUTPUT_KEYS = ("out_dir", "out_path", "output_dir", "kld_base_path")
 FULL_BELOW_BYTES = 16 * 2**20
+WORKER_SOURCES_ROOT = PROJECT_ROOT  # where worker_sources_sha256 reads the workers' code
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,32 @@ def environment(name: str) -> Environment:
     if name not in ENVIRONMENTS:
         raise EngineError(f"unknown environment {name!r} (known: {', '.join(ENVIRONMENTS)})")
     return ENVIRONMENTS[name]
+
+
+@functools.cache
+def worker_sources_sha256(module: str) -> str:
+    """sha256 over the source of worker `module` and of every pipeline module it imports (its
+    helpers under pipeline.workers, pipeline.constants), at any depth, inside functions too: the
+    code that turns a request into an artifact. Part of every target's inputs hash (the
+    toolchain's `worker_sha256`), so a changed mapping of a recipe field (2026-12-06: GPTQModel's
+    act_order) rebuilds what the old code built."""
+    sources: dict[str, str] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in sources:
+            continue
+        path = WORKER_SOURCES_ROOT.joinpath(*name.split(".")).with_suffix(".py")
+        if not path.is_file():  # a package
+            path = path.with_suffix("") / "__init__.py"
+        source = path.read_bytes()
+        sources[name] = hashlib.sha256(source).hexdigest()
+        for node in ast.walk(ast.parse(source, str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            todo += [n for n in names if n.startswith("pipeline.")]
+    return hashlib.sha256("".join(f"{n}\0{h}\n" for n, h in sorted(sources.items())).encode()).hexdigest()
 
 
 def interpreter(env: str) -> str:

@@ -216,7 +216,7 @@ class Manifest(_Model):
     quant: str
     source: dict[str, Any]
     files: list[FileEntry]
-    toolchain: dict[str, dict[str, str | None]]  # environment -> package -> version
+    toolchain: dict[str, dict[str, str | None]]  # environment -> package -> version, lock, worker_sha256
     build: BuildInfo
     validation: Validation
     serve: ServeInfo

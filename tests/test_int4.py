@@ -198,6 +198,38 @@ def test_the_quantizer_environment_is_part_of_the_inputs(
     assert after_sha != before_sha
 
 
+def test_the_quantizer_workers_code_is_part_of_the_inputs(
+    tiny_recipe_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A changed worker (here a copy of the tree whose GPTQModel worker maps a field otherwise)
+    makes a GPTQModel target stale; the other environments' records are untouched."""
+    from pipeline import environments
+
+    gptq = {"kind": "gptq", "backend": "gptqmodel", "group_size": 32, "dtype": "bfloat16", "gates": LOOSE}
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", serve=TINY_SERVE, targets={"gptq": gptq})
+    project = Project.open(recipe)
+    spec = project.select(["gptq"])["gptq"]
+    serve = spec.serve_command(project.loaded.recipe.serve)
+
+    def inputs() -> tuple[dict, str]:
+        environments.worker_sources_sha256.cache_clear()
+        ctx = project.context()
+        toolchain = {env: ctx.versions(env) for env in spec.recorded_environments()}
+        return toolchain, inputs_sha256(ctx, "gptq", spec, toolchain, serve)
+
+    before, before_sha = inputs()
+    copy = tmp_path / "tree"
+    shutil.copytree(environments.PROJECT_ROOT / "pipeline", copy / "pipeline")
+    worker = copy / "pipeline" / "workers" / "gptqmodel.py"
+    worker.write_text(worker.read_text().replace('"act_group_aware": True', '"act_group_aware": False'))
+    monkeypatch.setattr(environments, "WORKER_SOURCES_ROOT", copy)
+    after, after_sha = inputs()
+    environments.worker_sources_sha256.cache_clear()
+    assert after["gptqmodel"]["worker_sha256"] != before["gptqmodel"]["worker_sha256"]
+    assert after["vllm"] == before["vllm"]
+    assert after_sha != before_sha
+
+
 def _damaged_copy(model: Path, out: Path) -> Path:
     """The same checkpoint with its embeddings overwritten by noise."""
     import torch

@@ -516,3 +516,36 @@ def test_guidellm_losing_a_level_s_updates_runs_once_more_and_a_second_loss_is_t
     with pytest.raises(RuntimeError, match="guidellm exited with code 2: ValueError: something else"):
         loadgen._run_guidellm("http://x", "m", "tok", workload)
     assert len(calls) == 5
+
+
+def test_worker_sources_hash_follows_every_module_the_worker_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's own code is part of the inputs hash: a helper it imports inside a function and
+    the constants that helper reads move the digest; a module it never imports does not."""
+    from pipeline import environments
+
+    workers = tmp_path / "pipeline" / "workers"
+    workers.mkdir(parents=True)
+    for init in (tmp_path / "pipeline" / "__init__.py", workers / "__init__.py"):
+        init.write_text("")
+    (workers / "w.py").write_text("def op(req):\n    from pipeline.workers.helper import f\n    return f()\n")
+    (workers / "helper.py").write_text("from pipeline.constants import N\n\ndef f():\n    return N\n")
+    (tmp_path / "pipeline" / "constants.py").write_text("N = 1\n")
+    (workers / "unrelated.py").write_text("X = 1\n")
+    monkeypatch.setattr(environments, "WORKER_SOURCES_ROOT", tmp_path)
+
+    def digest() -> str:
+        environments.worker_sources_sha256.cache_clear()
+        return environments.worker_sources_sha256("pipeline.workers.w")
+
+    first = digest()
+    assert digest() == first  # the same sources, the same digest
+    (workers / "unrelated.py").write_text("X = 2\n")
+    assert digest() == first
+    (tmp_path / "pipeline" / "constants.py").write_text("N = 2\n")
+    second = digest()
+    assert second != first
+    (workers / "helper.py").write_text("from pipeline.constants import N\n\ndef f():\n    return N + 1\n")
+    assert digest() not in (first, second)
+    environments.worker_sources_sha256.cache_clear()

@@ -53,6 +53,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 OUTPUT_KEYS = ("out_dir", "out_path", "output_dir", "kld_base_path")
 FULL_BELOW_BYTES = 16 * 2**20
 WORKER_SOURCES_ROOT = PROJECT_ROOT  # where worker_sources_sha256 reads the workers' code
+DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)  # nodes with docstrings
 
 
 @dataclass(frozen=True)
@@ -129,28 +130,78 @@ def environment(name: str) -> Environment:
 
 @functools.cache
 def worker_sources_sha256(module: str) -> str:
-    """sha256 over the source of worker `module` and of every pipeline module it imports (its
-    helpers under pipeline.workers, pipeline.constants), at any depth, inside functions too: the
-    code that turns a request into an artifact. Part of every target's inputs hash (the
-    toolchain's `worker_sha256`), so a changed mapping of a recipe field (2026-12-06: GPTQModel's
-    act_order) rebuilds what the old code built."""
-    sources: dict[str, str] = {}
+    """sha256 of the code that turns a worker's requests into artifacts: worker `module` and every
+    pipeline.workers module it imports, at any depth and inside functions too, as their syntax trees
+    without docstrings (a comment, a docstring or a reflow moves nothing), and the definitions of
+    the names it imports from the core (pipeline.constants' GGUF_QUANTS, not the whole table). Part of
+    every target's inputs hash (the toolchain's `worker_sha256`), so a changed mapping of a recipe
+    field (2026-12-06: GPTQModel's act_order) rebuilds what the old code built. The trees are this
+    interpreter's: another Python version of the core moves it too."""
+    parts: dict[str, str] = {}
     todo = [module]
     while todo:
         name = todo.pop()
-        if name in sources:
+        if name in parts:
             continue
-        path = WORKER_SOURCES_ROOT.joinpath(*name.split(".")).with_suffix(".py")
-        if not path.is_file():  # a package
-            path = path.with_suffix("") / "__init__.py"
-        source = path.read_bytes()
-        sources[name] = hashlib.sha256(source).hexdigest()
-        for node in ast.walk(ast.parse(source, str(path))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
-            todo += [n for n in names if n.startswith("pipeline.")]
-    return hashlib.sha256("".join(f"{n}\0{h}\n" for n, h in sorted(sources.items())).encode()).hexdigest()
+        path = _module_path(name)
+        tree = ast.parse(path.read_bytes(), str(path))
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                todo += [a.name for a in node.names if a.name.startswith("pipeline.")]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the importing module's package
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                if base != "pipeline" and not base.startswith("pipeline."):
+                    continue
+                for alias in node.names:
+                    if _module_path(f"{base}.{alias.name}", must=False):  # a module, not a name
+                        todo.append(f"{base}.{alias.name}")
+                    elif base.startswith("pipeline.workers."):
+                        todo.append(base)
+                    else:  # a name of the core: its definition, not the module it lives in
+                        parts[f"{base}:{alias.name}"] = _definition(base, alias.name)
+            elif isinstance(node, DOCUMENTED) and ast.get_docstring(node, clean=False) is not None:
+                node.body = node.body[1:] or [ast.Pass()]
+        parts[name] = ast.dump(tree)
+    text = "".join(f"{n}\0{v}\n" for n, v in sorted(parts.items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _module_path(name: str, must: bool = True) -> Path | None:
+    """The source file of pipeline module `name` (a module or a package), under WORKER_SOURCES_ROOT."""
+    base = WORKER_SOURCES_ROOT.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    if must:
+        raise FileNotFoundError(f"{name}: no {base}.py or {base}/__init__.py")
+    return None
+
+
+def _definition(module: str, name: str) -> str:
+    """The syntax tree of `name`'s top-level definition in core module `module` and of every
+    top-level name it refers to; the whole module's where `name` is not defined there."""
+    tree = ast.parse(_module_path(module).read_bytes())
+    defined: dict[str, ast.stmt] = {}
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined[stmt.name] = stmt
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+            for target in stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]:
+                defined.update({n.id: stmt for n in ast.walk(target) if isinstance(n, ast.Name)})
+    if name not in defined:
+        return ast.dump(tree)
+    seen, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in defined:
+            continue
+        seen.add(current)
+        todo += [n.id for n in ast.walk(defined[current]) if isinstance(n, ast.Name)]
+    return "\n".join(ast.dump(defined[n]) for n in sorted(seen))
 
 
 def interpreter(env: str) -> str:

@@ -223,8 +223,10 @@ def test_the_quantizer_workers_code_is_part_of_the_inputs(
     worker = copy / "pipeline" / "workers" / "gptqmodel.py"
     worker.write_text(worker.read_text().replace('"act_group_aware": True', '"act_group_aware": False'))
     monkeypatch.setattr(environments, "WORKER_SOURCES_ROOT", copy)
-    after, after_sha = inputs()
-    environments.worker_sources_sha256.cache_clear()
+    try:
+        after, after_sha = inputs()
+    finally:
+        environments.worker_sources_sha256.cache_clear()
     assert after["gptqmodel"]["worker_sha256"] != before["gptqmodel"]["worker_sha256"]
     assert after["vllm"] == before["vllm"]
     assert after_sha != before_sha

@@ -518,34 +518,61 @@ def test_guidellm_losing_a_level_s_updates_runs_once_more_and_a_second_loss_is_t
     assert len(calls) == 5
 
 
-def test_worker_sources_hash_follows_every_module_the_worker_imports(
+def test_worker_sources_hash_follows_the_code_a_worker_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The worker's own code is part of the inputs hash: a helper it imports inside a function and
-    the constants that helper reads move the digest; a module it never imports does not."""
+    """The worker's own code is part of the inputs hash: a helper it imports inside a function, one
+    imported by package, one imported relatively, and the core constant a helper reads move the
+    digest; a comment, a docstring, another constant of the core and a module never imported do
+    not."""
     from pipeline import environments
 
     workers = tmp_path / "pipeline" / "workers"
     workers.mkdir(parents=True)
     for init in (tmp_path / "pipeline" / "__init__.py", workers / "__init__.py"):
         init.write_text("")
-    (workers / "w.py").write_text("def op(req):\n    from pipeline.workers.helper import f\n    return f()\n")
-    (workers / "helper.py").write_text("from pipeline.constants import N\n\ndef f():\n    return N\n")
-    (tmp_path / "pipeline" / "constants.py").write_text("N = 1\n")
-    (workers / "unrelated.py").write_text("X = 1\n")
+    files = {
+        "pipeline/workers/w.py": (
+            '"""A worker."""\nfrom pipeline.workers import packaged\nfrom . import relative\n\n\n'
+            "def op(req):\n    from pipeline.workers.helper import f\n\n"
+            "    return f() + packaged.G + relative.R\n"
+        ),
+        "pipeline/workers/helper.py": "from pipeline.constants import N\n\n\ndef f():\n    return N\n",
+        "pipeline/workers/packaged.py": "G = 1\n",
+        "pipeline/workers/relative.py": "R = 1\n",
+        "pipeline/workers/unrelated.py": "X = 1\n",
+        "pipeline/constants.py": "BASE = 1\nN = BASE + 1\nOTHER = 5\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
     monkeypatch.setattr(environments, "WORKER_SOURCES_ROOT", tmp_path)
 
     def digest() -> str:
         environments.worker_sources_sha256.cache_clear()
         return environments.worker_sources_sha256("pipeline.workers.w")
 
-    first = digest()
-    assert digest() == first  # the same sources, the same digest
-    (workers / "unrelated.py").write_text("X = 2\n")
-    assert digest() == first
-    (tmp_path / "pipeline" / "constants.py").write_text("N = 2\n")
-    second = digest()
-    assert second != first
-    (workers / "helper.py").write_text("from pipeline.constants import N\n\ndef f():\n    return N + 1\n")
-    assert digest() not in (first, second)
-    environments.worker_sources_sha256.cache_clear()
+    def edited(rel: str, old: str, new: str) -> str:
+        """The digest with `old` replaced by `new` in file `rel`, the file then restored."""
+        path = tmp_path / rel
+        path.write_text(files[rel].replace(old, new))
+        try:
+            return digest()
+        finally:
+            path.write_text(files[rel])
+
+    try:
+        first = digest()
+        assert digest() == first  # the same sources, the same digest
+        assert edited("pipeline/workers/w.py", '"""A worker."""', '"""Another docstring."""') == first
+        assert edited("pipeline/workers/helper.py", "\n\ndef f", "  # a comment\n\n\ndef f") == first
+        assert edited("pipeline/workers/unrelated.py", "X = 1", "X = 2") == first
+        assert edited("pipeline/constants.py", "OTHER = 5", "OTHER = 6") == first
+        moved = [
+            edited("pipeline/constants.py", "BASE = 1", "BASE = 2"),  # N refers to it
+            edited("pipeline/workers/helper.py", "return N", "return N + 1"),
+            edited("pipeline/workers/packaged.py", "G = 1", "G = 2"),
+            edited("pipeline/workers/relative.py", "R = 1", "R = 2"),
+        ]
+        assert first not in moved and len(set(moved)) == len(moved)
+    finally:
+        environments.worker_sources_sha256.cache_clear()

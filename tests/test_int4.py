@@ -25,7 +25,7 @@ from pipeline.engines.serving import ARTIFACT_DIR, ServeArgv, command_line, serv
 from pipeline.environments import environment, run_step
 from pipeline.errors import RegistryError, ValidationFailed
 from pipeline.manifest import Validation
-from pipeline.project import Project, inputs_sha256
+from pipeline.project import Project
 from pipeline.recipe import Gates, ServeSpec
 from pipeline.registry import Registry
 from pipeline.spec import KINDS
@@ -178,12 +178,10 @@ def test_the_quantizer_environment_is_part_of_the_inputs(
     (which reads them) are recorded apart; upgrading only the quantizer's makes the target stale."""
     project = Project.open(_recipe(tiny_recipe_dir))
     spec = project.select(["awq"])["awq"]
-    serve = spec.serve_command(project.loaded.recipe.serve)
 
     def inputs() -> tuple[dict, str]:
-        ctx = project.context()
-        toolchain = {env: ctx.versions(env) for env in spec.recorded_environments()}
-        return toolchain, inputs_sha256(ctx, "awq", spec, toolchain, serve)
+        recorded = project.target_inputs(project.context(), "awq", spec)
+        return recorded.toolchain, recorded.sha256
 
     before, before_sha = inputs()
     shadow = tmp_path / "shadow" / "compressed_tensors-9.9.9.dist-info"
@@ -209,13 +207,11 @@ def test_the_quantizer_workers_code_is_part_of_the_inputs(
     recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", serve=TINY_SERVE, targets={"gptq": gptq})
     project = Project.open(recipe)
     spec = project.select(["gptq"])["gptq"]
-    serve = spec.serve_command(project.loaded.recipe.serve)
 
     def inputs() -> tuple[dict, str]:
         environments.worker_sources_sha256.cache_clear()
-        ctx = project.context()
-        toolchain = {env: ctx.versions(env) for env in spec.recorded_environments()}
-        return toolchain, inputs_sha256(ctx, "gptq", spec, toolchain, serve)
+        recorded = project.target_inputs(project.context(), "gptq", spec)
+        return recorded.toolchain, recorded.sha256
 
     before, before_sha = inputs()
     copy = tmp_path / "tree"

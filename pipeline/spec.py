@@ -147,6 +147,10 @@ class LlamaCppServe(Strict):
     # consecutive slot ids (llama_batch_allocr::split_equal), one forward pass each. A slot may then
     # hold more than n_ctx // parallel tokens; slot_tokens stays the length that always fits
     kv_unified: bool = False
+    # host RAM (MiB) in which llama-server keeps finished prompts' KV for a later request sharing
+    # their prefix (--cache-ram; 0: off, -1: no limit); None: llama.cpp's default, 8192 MiB, which
+    # the server's RSS grows into (SmolLM2, 64 prompts of 512 tokens: 1,766 MiB against 375 off)
+    cache_ram_mib: int | None = Field(None, ge=-1)
     n_threads: int | None = Field(None, ge=1)
     # over tp_size > 1 GPUs: whole layers per GPU (llama.cpp's default), rows of each matrix, or
     # llama.cpp's tensor parallelism (LLAMA_SPLIT_MODE_TENSOR)

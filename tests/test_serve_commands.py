@@ -144,6 +144,9 @@ def test_a_gguf_over_several_gpus_gets_llama_cpp_servers_split_flags(mode: str, 
     assert argv[argv.index("-ngl") + 1] == "all" and "--kv-unified" not in argv  # a stream per slot
     unified = ServeSpec(llamacpp={"kv_unified": True})
     assert gguf.serve_argv(unified)[-1] == "--kv-unified"  # one KV cache the slots share
+    assert "--cache-ram" not in argv  # llama.cpp's default prompt cache unless the recipe sets one
+    no_cache = gguf.serve_argv(ServeSpec(llamacpp={"cache_ram_mib": 0}))
+    assert no_cache[-2:] == ["--cache-ram", "0"]
     from pipeline.workers import llamacpp
 
     server = subprocess.run(
@@ -152,7 +155,7 @@ def test_a_gguf_over_several_gpus_gets_llama_cpp_servers_split_flags(mode: str, 
     for flag in ("-m,    --model FNAME", "-c,    --ctx-size N", "-np,   --parallel N", "-ngl,  --gpu-layers",
                  "-sm,   --split-mode {none,layer,row,tensor}", "-ts,   --tensor-split N0,N1,N2",
                  "--host HOST", "--port PORT", "-t,    --threads N",
-                 "-kvu,  --kv-unified"):  # fmt: skip
+                 "-kvu,  --kv-unified", "-cram, --cache-ram N"):  # fmt: skip
         assert flag in server.stdout + server.stderr, flag
 
     from pipeline.targets.gguf import split_request

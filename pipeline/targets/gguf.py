@@ -308,6 +308,7 @@ class GgufTarget(Target):
             argv += ["-sm", knobs.split_mode, "-ts", ",".join(["1"] * serve.tp_size)]
         argv += ["-t", str(knobs.n_threads)] if knobs.n_threads else []
         argv += ["--kv-unified"] if knobs.kv_unified else []
+        argv += ["--cache-ram", str(knobs.cache_ram_mib)] if knobs.cache_ram_mib is not None else []
         return argv
 
 

@@ -555,7 +555,7 @@ def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> di
 
 LEVEL_KEYS = (
     "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "peak_gpu_mib",
-    "peak_rss_mib", "output_tokens_mean", "planned", "incomplete", "completed", "errored",
+    "peak_rss_mib", "others_cpu_share", "output_tokens_mean", "planned", "incomplete", "completed", "errored",
 )  # fmt: skip
 
 
@@ -771,6 +771,7 @@ def setting_rows(
             "output_tokens_per_s": tps,
             "itl_ms_p50": one.get("itl_ms_p50"),
             "peak_rss_mib": one.get("peak_rss_mib"),
+            "others_cpu_share": one.get("others_cpu_share"),
             "share_of_bound": round(tps / bound, 3) if tps and bound else None,
             "levels": {
                 str(c): {k: lv.get(k) for k in ("concurrency", *LEVEL_KEYS)}

@@ -149,7 +149,7 @@ def _memory(c: Candidate, env: str | None, s: Scenario) -> tuple[float, str]:
             need = c.size_bytes + bound["kv_bytes"] / bound["context_tokens"] * tokens
             return need / MIB, (
                 f"weights + 16-bit KV cache of the {tokens:,} tokens its deploy command allocates at "
-                f"start ({setting}; the engine's compute buffers not counted)"
+                f"start ({setting}; a lower bound: the engine's compute buffers not counted)"
             )
         if bound.get("kv_bytes"):
             need = c.size_bytes + bound["kv_bytes"] * s.concurrency

@@ -149,7 +149,8 @@ class LlamaCppServe(Strict):
     kv_unified: bool = False
     # host RAM (MiB) in which llama-server keeps finished prompts' KV for a later request sharing
     # their prefix (--cache-ram; 0: off, -1: no limit); None: llama.cpp's default, 8192 MiB, which
-    # the server's RSS grows into (SmolLM2, 64 prompts of 512 tokens: 1,766 MiB against 375 off)
+    # the server's RSS grows into with each distinct prompt (SmolLM2 Q8_0, after 128 prompts of 512
+    # tokens: 1,766 MiB, against 375 with it off)
     cache_ram_mib: int | None = Field(None, ge=-1)
     n_threads: int | None = Field(None, ge=1)
     # over tp_size > 1 GPUs: whole layers per GPU (llama.cpp's default), rows of each matrix, or

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 import pipeline.targets  # noqa: F401  (registers the kinds in KINDS)
 from pipeline.engines import sglang
@@ -147,6 +148,10 @@ def test_a_gguf_over_several_gpus_gets_llama_cpp_servers_split_flags(mode: str, 
     assert "--cache-ram" not in argv  # llama.cpp's default prompt cache unless the recipe sets one
     no_cache = gguf.serve_argv(ServeSpec(llamacpp={"cache_ram_mib": 0}))
     assert no_cache[-2:] == ["--cache-ram", "0"]
+    no_limit = gguf.serve_argv(ServeSpec(llamacpp={"cache_ram_mib": -1}))
+    assert no_limit[-2:] == ["--cache-ram", "-1"]
+    with pytest.raises(ValidationError, match="cache_ram_mib"):
+        ServeSpec(llamacpp={"cache_ram_mib": -2})
     from pipeline.workers import llamacpp
 
     server = subprocess.run(

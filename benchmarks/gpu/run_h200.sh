@@ -237,6 +237,9 @@ case "${1:-}" in
     if [ -n "${ENGINES:-}" ] && ! grep -q "engines: \[$ENGINES\]" "$WORK/qwen2-7b-serving.yaml"; then
       echo "ENGINES=$ENGINES: qwen2-7b-serving.yaml has no 'engines: all' setting to replace" >&2; exit 2
     fi
+    if [ -n "${ONLY_WORKLOAD:-}" ] && ! [[ $ONLY_WORKLOAD =~ ^[0-9]+/[0-9]+$ ]]; then
+      echo "ONLY_WORKLOAD=$ONLY_WORKLOAD: expected PROMPT/OUTPUT tokens, e.g. 2048/256" >&2; exit 2
+    fi
     if [ -n "${ONLY_WORKLOAD:-}" ] && ! grep -q "prompt_tokens: ${ONLY_WORKLOAD%/*}, output_tokens: ${ONLY_WORKLOAD#*/}, concurrency" "$WORK/qwen2-7b-serving.yaml"; then
       echo "ONLY_WORKLOAD=$ONLY_WORKLOAD: qwen2-7b-serving.yaml has no 512/128 workload to replace" >&2; exit 2
     fi

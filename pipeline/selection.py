@@ -297,10 +297,14 @@ def _reasons(c: Candidate, s: Scenario) -> list[str]:
     if level is not None:
         workload = (c.serving or {}).get("workload") or {}
         shape = f" of {workload_shape(workload)} tokens" if "prompt_tokens" in workload else ""
+        latency = (  # none: the time cap ended the level before any request finished
+            f", TTFT p99 {level['ttft_ms_p99']:.0f} ms, ITL p99 {level['itl_ms_p99']:.1f} ms"
+            if level.get("ttft_ms_p99") is not None and level.get("itl_ms_p99") is not None
+            else ", no request finished"
+        )
         reasons.append(
             f"at concurrency {s.concurrency}{shape} on {_serving_device(c)}: "
-            f"{level['output_tokens_per_s']:.1f} output tokens/s, TTFT p99 {level['ttft_ms_p99']:.0f} ms, "
-            f"ITL p99 {level['itl_ms_p99']:.1f} ms"
+            f"{level['output_tokens_per_s']:.1f} output tokens/s{latency}"
         )
         bound = (c.serving or {}).get("decode_bound") or {}
         if s.concurrency == 1 and bound.get("share_c1") is not None:
@@ -343,10 +347,15 @@ def _rank_key(c: Candidate, s: Scenario, by_kld: bool = False) -> tuple[float, .
     ppl = c.ppl_delta_pct if c.ppl_delta_pct is not None else float("inf")
     level = _level(c, s) or {}
     cut = 1.0 if level.get("incomplete") else 0.0
+
+    def measured(key: str, missing: float) -> float:  # None: a cut level where nothing finished
+        value = level.get(key)
+        return missing if value is None else value
+
     if s.objective == "throughput":
-        return (cut, -level.get("output_tokens_per_s", 0.0), ppl, c.size_bytes)
+        return (cut, -measured("output_tokens_per_s", 0.0), ppl, c.size_bytes)
     if s.objective == "latency":
-        return (cut, level.get("ttft_ms_p99", float("inf")), level.get("itl_ms_p99", float("inf")), ppl)
+        return (cut, measured("ttft_ms_p99", float("inf")), measured("itl_ms_p99", float("inf")), ppl)
     if s.objective == "size":
         return (c.size_bytes, ppl)
     if by_kld and c.kld_mean is not None:

@@ -196,14 +196,22 @@ def test_a_level_its_time_cap_cut_is_named_in_the_reasons(tmp_path: Path) -> Non
     _measured(root, "gguf-q8_0", "llama.cpp", 0.5, levels=[cut])
     whole = _level(1, 60, 30, 35).model_copy(update={"planned": 32, "incomplete": 0})
     _measured(root, "gguf-q4_0", "llama.cpp", 20.0, levels=[whole])
+    # none finished (2026-12-06, H100: 128 llama-server slots at 2048/256): no latency, no tokens
+    none = ServingLevel(
+        concurrency=1, completed=0, errored=0, planned=32, incomplete=32, output_tokens_per_s=0.0
+    )
+    _measured(root, "gguf-iq4_xs", "llama.cpp", 1.0, levels=[none])
     reg = Registry(root)
     reg.rebuild()
     for objective in ("throughput", "latency"):  # faster on paper, and still ranked after the whole one
         answer = select(reg, Scenario(model="m", cpu=True, objective=objective, concurrency=1))
-        assert [c["target"] for c in answer["ranked"]] == ["gguf-q4_0", "gguf-q8_0"], objective
+        order = [c["target"] for c in answer["ranked"]]
+        assert order == ["gguf-q4_0", "gguf-q8_0", "gguf-iq4_xs"], objective  # none finished: last
     reasons = {c["target"]: " ".join(c["reasons"]) for c in answer["ranked"]}
     assert "CUT: the level's time cap ended it with 8 of 32 requests finished" in reasons["gguf-q8_0"]
     assert "CUT" not in reasons["gguf-q4_0"]
+    assert "0.0 output tokens/s, no request finished" in reasons["gguf-iq4_xs"]
+    assert "CUT: the level's time cap ended it with 0 of 32 requests finished" in reasons["gguf-iq4_xs"]
 
 
 def test_workload_picks_which_shape_s_numbers_rank(tmp_path: Path) -> None:

@@ -576,3 +576,56 @@ def test_worker_sources_hash_follows_the_code_a_worker_runs(
         assert first not in moved and len(set(moved)) == len(moved)
     finally:
         environments.worker_sources_sha256.cache_clear()
+
+
+def _guidellm_level(streams: int, successful: int, errored: int, incomplete: int) -> dict:
+    """One level of a GuideLLM 0.8 report, as `parse_report` reads it (a level nothing finished in
+    reports zeros for its successful requests' distributions)."""
+    done = 1.0 if successful else 0.0
+    dist = {"successful": {"mean": 40.0 * done, "percentiles": {"p50": 30.0 * done, "p99": 90.0 * done}}}
+    return {
+        "config": {"strategy": {"streams": streams}},
+        "start_time": time.time() - 2,
+        "end_time": time.time(),
+        "metrics": {
+            "request_totals": {"successful": successful, "errored": errored, "incomplete": incomplete},
+            "time_to_first_token_ms": dist,
+            "inter_token_latency_ms": dist,
+            "output_tokens_per_second": dist,
+            "output_token_count": dist,
+            "requests_per_second": dist,
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("last", "fails"),
+    [((0, 0, 128), False), ((0, 128, 0), True), ((0, 0, 0), True)],
+    ids=["cut-before-any-finished", "all-errored", "none-sent"],
+)
+def test_a_level_cut_before_any_request_finished_is_recorded_and_an_errored_one_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, last: tuple[int, int, int], fails: bool
+) -> None:
+    """2026-12-06, H100: llama-server's 128 slots at 2048/256 finished no request inside the 60 s
+    cap (128 incomplete, none errored), and the error that followed threw away the levels before it
+    and the raw server's run. Such a level is a measurement, cut with none finished: no latency,
+    no tokens counted. A level whose requests all errored, or that sent none, still fails."""
+    from pipeline.workers import loadgen
+
+    report = {"benchmarks": [_guidellm_level(1, 32, 0, 0), _guidellm_level(128, *last)]}
+    monkeypatch.setattr(loadgen, "_run_guidellm", lambda *a: report)
+    workload = {"prompt_tokens": 2048, "output_tokens": 256, "level_requests": [32, 512]}
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        if fails:
+            with pytest.raises(RuntimeError, match="no request succeeded at concurrency 128 with 2048/256"):
+                loadgen._measure(server, "http://x", "m", "tok", workload, tmp_path / "server.log")
+            return
+        measured = loadgen._measure(server, "http://x", "m", "tok", workload, tmp_path / "server.log")
+        one, cut = measured["levels"]
+    finally:
+        server.kill()
+        server.wait()
+    assert one["completed"] == 32 and one["ttft_ms_p99"] == 90.0 and one["output_tokens_per_s"] == 40.0
+    assert cut["completed"] == 0 and cut["incomplete"] == 128 and cut["planned"] == 512
+    assert cut["output_tokens_per_s"] == 0.0 and cut["ttft_ms_p99"] is None and cut["itl_ms_p50"] is None

@@ -140,7 +140,10 @@ def _measure(
         )
     shape = f"{workload['prompt_tokens']}/{workload['output_tokens']} tokens"
     for level in levels:
-        if not level["completed"]:
+        # a level the time cap ended before any request finished is a measurement (cut, none
+        # finished: 2048/256 at 128 streams on llama-server, 2026-12-06); one whose requests all
+        # errored, or that sent none, is not
+        if not level["completed"] and (level["errored"] or not level["incomplete"]):
             raise RuntimeError(
                 f"no request succeeded at concurrency {level['concurrency']} with {shape} "
                 f"({level['errored']} errored; server log: {log})"
@@ -240,6 +243,9 @@ def parse_report(
             "output_tokens_mean": m["output_token_count"]["successful"]["mean"],
             "requests_per_s": m["requests_per_second"]["successful"]["mean"],
         }
+        if not level["completed"]:  # nothing finished: no latency to report, no tokens counted
+            level.update(dict.fromkeys(("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")))
+            level.update(output_tokens_per_s=0.0, requests_per_s=0.0, output_tokens_mean=None)
         levels.append((level, (bench["start_time"], bench["end_time"])))
     return levels
 

@@ -180,6 +180,7 @@ def table(files: list[Path]) -> str:
     cards: dict[str, dict[tuple[str, str], dict[str, tuple[Path, dict[str, Any], dict[str, Any]]]]] = {}
     with_raw: dict[str, dict[tuple[str, str, str], tuple[str, str]]] = {}  # latest measured ratios
     latest: dict[tuple[str, str], dict[str, Any]] = {}
+    attempts: dict[str, dict[tuple[str, str], str]] = {}  # card -> the latest failed serving record
     # every settings sweep, also one of a run that did not serve the artifact again (`settings`
     # without `serve`: its deploy command's numbers are an earlier file's)
     sweeps: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
@@ -190,6 +191,9 @@ def table(files: list[Path]) -> str:
         if (row.get("settings") or {}).get("status") in ("passed", "partial"):
             sweeps.setdefault(card, []).append((path, row))
         serving = row.get("serving") or {}
+        if serving.get("status") in ("failed", "error"):  # the reason a workload may still lack a row
+            reason = str(serving.get("reason")).split(" (")[0]  # without its log paths on the GPU host
+            attempts.setdefault(card, {})[key] = f"{path.name}: {serving['status']}: {reason}"
         if serving.get("status") == "passed":
             for run in serving.get("workloads") or []:
                 if not run.get("levels"):  # a workload that failed: an earlier run's row stands
@@ -227,7 +231,7 @@ def table(files: list[Path]) -> str:
             for path, row in sweeps.get(card, []):
                 if (row["target"], row.get("engine")) == (target, engine):
                     tried += setting_lines(label, engine, row["settings"], path.name)
-        if gaps := _gaps(served, with_raw.get(card, {})):
+        if gaps := _gaps(served, with_raw.get(card, {}), attempts.get(card, {})):
             out += ["", "Served on this card, with gaps:", "", *gaps]
         if tried:
             out += [
@@ -251,10 +255,12 @@ def table(files: list[Path]) -> str:
 def _gaps(
     served: dict[tuple[str, str], dict[str, tuple[Path, dict[str, Any], dict[str, Any]]]],
     ratios: dict[tuple[str, str, str], tuple[str, str]],
+    failed: dict[tuple[str, str], str],
 ) -> list[str]:
-    """On one card: each served artifact's workloads it has no row for, those measured over a
-    fixed window only (not comparable), and those without a project / raw ratio (the bf16 source's
-    row is the engine with its defaults: it has no raw side)."""
+    """On one card: each served artifact's workloads it has no row for (with its latest failed
+    serving record's reason, where one failed), those measured over a fixed window only (not
+    comparable), and those without a project / raw ratio (the bf16 source's row is the engine with
+    its defaults: it has no raw side)."""
     lines = []
     for target, engine, label in EXPECTED:
         runs = served.get((target, engine), {})
@@ -262,7 +268,9 @@ def _gaps(
             continue
         said = []
         if absent := [w for w in WORKLOADS if w not in runs]:
-            said.append(f"{', '.join(absent)} not served")
+            attempt = failed.get((target, engine))
+            why = f" (latest failed attempt, {attempt})" if attempt else ""
+            said.append(f"{', '.join(absent)} not served{why}")
         shapes = sorted(runs, key=_shape_order)
         windowed = [
             w for w in shapes if any(_mark(_ours(lv)) == " w" for lv in runs[w][2]["levels"].values())

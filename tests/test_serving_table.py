@@ -200,3 +200,19 @@ def test_a_later_run_whose_workload_failed_leaves_the_earlier_row_standing(tmp_p
     awq = [line for line in serving_table.table([first, later]).splitlines() if line.startswith("| AWQ")]
     assert len(awq) == 2 and "| 2048/256 | 50.0 |" in awq[1]
     assert awq[1].endswith("| h100-2026-12-05-serving.json |")
+
+
+def test_a_workload_a_later_benchmark_failed_is_listed_with_that_reason(tmp_path: Path) -> None:
+    """2026-12-06, H100: each GGUF's 2048/256 benchmark failed (no request finished at 128 streams);
+    the gap says so and why, without the GPU host's log paths, and the 512/128 row stays."""
+    first = _row("gguf-q4_0", "H100", 100.0) | {"engine": "llama.cpp"}
+    served = _write(tmp_path / "h100-2026-12-06-serving-run2.json", [first])
+    failed = {"status": "failed", "reason": "no request succeeded at 128 (0 errored; server log: /tmp/x.log)"}
+    again = first | {"serving": failed}
+    later = _write(tmp_path / "h100-2026-12-06-serving-run6.json", [again])
+    text = serving_table.table([served, later])
+    assert (
+        "- GGUF Q4_0 in llama.cpp (`gguf-q4_0`): 2048/256 not served (latest failed attempt, "
+        "h100-2026-12-06-serving-run6.json: failed: no request succeeded at 128)"
+    ) in text.splitlines()
+    assert "| GGUF Q4_0 | llama.cpp | 512/128 | 100.0 |" in text

@@ -689,6 +689,10 @@ SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
         # llama-server keeps finished prompts' KV in host RAM for reuse (--cache-ram, default 8192
         # MiB): without it, the benchmark's peak RSS is the server's own
         "no RAM prompt cache": ({}, ["--cache-ram", "0"]),
+        # the same at llama.cpp's default, for a recipe that turns it off (the GPU serving recipe:
+        # its 128 slots saved idle slots' states back to back at 2048/256, H100 2026-12-06); the
+        # later --cache-ram wins
+        "llama.cpp's RAM prompt cache": ({}, ["--cache-ram", "8192"]),
     },
 }  # fmt: skip
 

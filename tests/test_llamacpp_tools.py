@@ -294,3 +294,31 @@ def test_llama_server_is_timed_beside_llama_batched_bench_and_a_server_that_cann
     cut.write_bytes(ggufs["q4_0"].read_bytes()[:300])
     broken = _overhead(cut, tmp_path)
     assert broken.returncode != 0 and broken.stderr.startswith("error: llama-batched-bench exited 1: ")
+
+
+@pytest.mark.slow  # three llama-servers on the tiny Llama
+def test_idle_slot_saves_are_counted_per_server_setting_and_a_missing_gguf_is_one_line(
+    ggufs: dict[str, Path], tmp_path: Path
+) -> None:
+    """benchmarks/llama_idle_slots.py: llama.cpp's cache with idle slots saved (a 1 MiB cap, too
+    small for the eight slots' 450-token states, so new tasks evict: 41 evictions against 7), the same without
+    those saves (evicting only for the slot a task takes), and no cache (no eviction at all); each
+    setting's time outside the server's own work is measured."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "llama_idle_slots.py"
+
+    def run(gguf: Path) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, str(script), str(gguf), "--slots", "8", "--prompt-tokens", "448",
+                "--output-tokens", "4", "--requests", "3", "--cache-ram", "1",
+                "--json", str(tmp_path / "i.json")]  # fmt: skip
+        return subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+
+    done = run(ggufs["q4_0"])
+    assert done.returncode == 0, done.stderr
+    saved, unsaved, off = json.loads((tmp_path / "i.json").read_text())["settings"].values()
+    assert saved["server_args"] == ["--cache-ram", "1"] and off["server_args"] == ["--cache-ram", "0"]
+    assert saved["evictions"] > unsaved["evictions"] and off["evictions"] == 0
+    assert all(s["sequential_outside_ms_median"] >= 0 for s in (saved, unsaved, off))
+    assert "| no RAM cache (--cache-ram 0) |" in done.stdout
+    gone = run(tmp_path / "none.gguf")
+    assert gone.returncode != 0 and gone.stderr.strip().endswith("no such GGUF file")
+    assert len(gone.stderr.strip().splitlines()) == 1

@@ -223,7 +223,7 @@ case "${1:-}" in
     [ "$shape" = llama2-70b ] && arch=llama  # SHAPE=llama2-70b: a Llama, over every GPU (tp_size 4)
     [ -f "$WORK/$shape-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
       "$WORK/$shape-$arch" --arch $arch --shape "$shape" --tokenizer "$tokenizer"
-    unified='s#llamacpp: {n_ctx: 327680, parallel: 128, n_gpu_layers: -1}#llamacpp: {n_ctx: 327680, parallel: 128, n_gpu_layers: -1, kv_unified: true}#'
+    unified='s#llamacpp: {n_ctx: 327680, parallel: 128, n_gpu_layers: -1, cache_ram_mib: 0}#llamacpp: {n_ctx: 327680, parallel: 128, n_gpu_layers: -1, cache_ram_mib: 0, kv_unified: true}#'
     for r in qwen2-7b-shape qwen2-7b-shape-llama qwen2-7b-serving qwen2-7b-serving-llama qwen2.5-32b-shape llama2-70b-shape; do  # replaced whole: the other stream may be reading it
       # ENGINES=sglang: the serving recipe benchmarks those engines only (`engines: [sglang]`)
       # ONE_WORKLOAD=1: the first workload only (a short lease); KV_UNIFIED=1: llama-server's slots

@@ -121,6 +121,12 @@ class BuildInfo(_Model):
     node: str | None = None  # the Ray node id, when a cluster build placed it (`--cluster`)
     spec: dict[str, Any]
     steps: list[StepRecord] = []  # the steps this build ran (cached ones it reused are absent)
+    # what decided the files alone (pipeline.project.bytes_sha256; absent before 2026-12-06)
+    bytes_sha256: str | None = None
+    # the earlier build whose files this one kept, its inputs having moved only in what decides the
+    # numbers (serving knobs, the serving benchmark, the reference): its inputs_sha256, finished_at,
+    # host and seconds; its steps are in that version's manifest
+    bytes_from: dict[str, Any] | None = None
 
 
 class ServingLevel(_Model):

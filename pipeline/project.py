@@ -54,6 +54,7 @@ from pipeline.serving import benchmark
 from pipeline.source import resolve_source
 from pipeline.spec import LoadedRecipe, workload_shape
 from pipeline.targets import Target
+from pipeline.targets.base import BuildOutput
 from pipeline.workers.protocol import is_disk_full
 
 # What `dvc metrics show` and the report list for each target (besides status, engine, size).
@@ -70,6 +71,7 @@ class TargetInputs:
     toolchain: dict[str, Any]
     serve_command: str
     sha256: str
+    bytes_sha256: str  # what decides the files alone (a part of sha256's inputs)
 
 
 @dataclass
@@ -236,16 +238,33 @@ class Project:
             why = outdated or f"the workspace artifact is damaged ({damaged[0]})"
             ctx.reporter.step(name, f"{why}: rebuilding it")
         self.check_loadable(ctx, name, spec)
+        keep = self._keepable(name, spec, old, inputs) if not damaged else None
         staging = self.layout.new_staging(name)
         try:
-            manifest = self.make_artifact(ctx, name, spec, staging, inputs)
+            manifest = self.make_artifact(ctx, name, spec, staging, inputs, keep=keep)
             result = self.record(name, spec, staging, manifest)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         if damaged or outdated:
             why = outdated or f"the workspace copy was damaged ({'; '.join(damaged)})"
             result.message = "; ".join(filter(None, [result.message, f"rebuilt: {why}"]))
+        if keep is not None:
+            kept = f"files kept from the build of {keep.build.finished_at} (only the numbers' inputs moved)"
+            result.message = "; ".join(filter(None, [result.message, kept]))
         return result
+
+    def _keepable(
+        self, name: str, spec: Target, old: Manifest | None, inputs: TargetInputs
+    ) -> Manifest | None:
+        """The workspace artifact whose files a rebuild may keep: its files' own inputs are this
+        build's (only serving knobs, the serving benchmark or the reference moved) and its bytes
+        are intact. Requantizing a 7B model to change a benchmark's time cap cost a device lease
+        its disk and a call (2026-12-06)."""
+        if old is None or not spec.bytes_portable or old.build.bytes_sha256 != inputs.bytes_sha256:
+            return None
+        if verify_files(self.layout.target_dir(name), old.files):
+            return None
+        return old
 
     def check_loadable(self, ctx: BuildContext, name: str, spec: Target) -> None:
         """RecipeError (exit 2) for a target none of its engines can load for a reason of the model
@@ -280,17 +299,28 @@ class Project:
             toolchain[ENV_GUIDELLM] = ctx.versions(ENV_GUIDELLM)  # the load generator's numbers
         serve_command = spec.serve_command(ctx.serve(name))
         inputs = inputs_sha256(ctx, name, spec, toolchain, serve_command)
-        return TargetInputs(toolchain, serve_command, inputs)
+        return TargetInputs(toolchain, serve_command, inputs, bytes_sha256(ctx, name, spec, toolchain))
 
     def make_artifact(
-        self, ctx: BuildContext, name: str, spec: Target, staging: Path, inputs: TargetInputs
+        self,
+        ctx: BuildContext,
+        name: str,
+        spec: Target,
+        staging: Path,
+        inputs: TargetInputs,
+        keep: Manifest | None = None,
     ) -> Manifest:
-        """Build, validate and benchmark the target into `staging`, and write its manifest there."""
+        """Build (or copy `keep`'s files: an earlier build of the same bytes' inputs), validate and
+        benchmark the target into `staging`, and write its manifest there."""
         t0 = time.perf_counter()
         first_step = len(ctx.steps)
         try:
-            ctx.reporter.step(name, "building")
-            built = spec.build(ctx, name, staging)
+            if keep is None:
+                ctx.reporter.step(name, "building")
+                built = spec.build(ctx, name, staging)
+            else:
+                ctx.reporter.step(name, "keeping the earlier build's files (their inputs are unchanged)")
+                built = _copy_files(self.layout.target_dir(name), keep, staging)
             build_s = time.perf_counter() - t0
             files = file_entries(staging)
             validation = spec.validate(ctx, name, staging)
@@ -323,6 +353,8 @@ class Project:
                     node=ctx.node,
                     spec=spec.model_dump(exclude={"gates"}),
                     steps=[StepRecord(**vars(u)) for u in ctx.steps[first_step:]],
+                    bytes_sha256=inputs.bytes_sha256,
+                    bytes_from=None if keep is None else _provenance(keep),
                 ),
                 validation=validation,
                 serve=ServeInfo(command=inputs.serve_command, tp_size=ctx.serve(name).tp_size),
@@ -425,6 +457,49 @@ def inputs_sha256(
             "toolchain": toolchain,
         }
     )
+
+
+def bytes_sha256(ctx: BuildContext, name: str, spec: Target, toolchain: dict[str, Any]) -> str:
+    """What decides an artifact's files alone: the spec without its gates, the source, the
+    calibration, the tensor-parallel split and the versions of the environments that build and
+    score it (not the load generator's). The serve command, the serving benchmark and the reference
+    decide only the numbers."""
+    r = ctx.loaded.recipe
+    return json_sha256(
+        {
+            "schema": MANIFEST_SCHEMA,
+            "target": name,
+            "spec": spec.model_dump(exclude={"gates"}),
+            "source": ctx.source.sha256,
+            "calibration": r.calibration.model_dump() if r.calibration else None,
+            "tp_size": ctx.serve(name).tp_size,
+            "toolchain": {env: toolchain[env] for env in spec.recorded_environments()},
+        }
+    )
+
+
+def _copy_files(final: Path, keep: Manifest, staging: Path) -> BuildOutput:
+    """`keep`'s verified files, copied from the workspace into `staging` (copies: a kept version
+    shares no storage with the workspace), and what its build handed the orchestrator."""
+    for entry in keep.files:
+        dest = staging / entry.path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(final / entry.path, dest)
+    return BuildOutput(
+        quant=keep.quant, gpu_arch=keep.build.gpu_arch, profile=keep.build.profile, gguf=keep.gguf,
+        quantization=keep.quantization, trtllm=keep.trtllm,
+    )  # fmt: skip
+
+
+def _provenance(keep: Manifest) -> dict[str, Any]:
+    """Which build made the files a rebuild kept (`build.bytes_from`)."""
+    b = keep.build
+    return {
+        "inputs_sha256": b.inputs_sha256,
+        "finished_at": b.finished_at,
+        "host": b.host,
+        "seconds": b.seconds,
+    }
 
 
 def _outdated_reference(ctx: BuildContext, old: Manifest) -> str | None:

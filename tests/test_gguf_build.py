@@ -509,3 +509,41 @@ def test_a_failing_benchmark_is_recorded_and_never_touches_the_artifact(
         (2, 2, 0), (4, 4, 0)
     ]  # fmt: skip
     assert llama_servers(_isolated_artifacts) == []
+
+
+def test_a_rebuild_that_moves_only_the_numbers_inputs_keeps_the_files_and_scores_them_again(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    """A changed deploy command (or benchmark, or gate) decides the numbers, not the bytes: the
+    rebuild copies the verified files instead of converting and quantizing again, validates and
+    serve-checks them under the new command, and names the build that made them. On 2026-12-06 a
+    changed benchmark cap requantized a 7B GGUF on the device, and the disk ran out. A changed
+    quantization builds anew."""
+    q4 = {"gguf-q4_0": TARGETS["gguf-q4_0"]}
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets=q4)
+    [first] = build_recipe(recipe, threads=2)
+    assert first.outcome == "built" and first.validation == "passed", first.message
+    root = _isolated_artifacts / "tiny" / "gguf-q4_0"
+    before = read_json(root / MANIFEST_NAME)
+    assert before["build"]["bytes_sha256"] and before["build"]["bytes_from"] is None
+
+    write_recipe(tiny_recipe_dir / "tiny.yaml", targets=q4, serve={"llamacpp": {"parallel": 2}})
+    [again] = build_recipe(recipe, threads=2)
+    assert again.outcome == "built" and again.validation == "passed", again.message
+    assert f"files kept from the build of {before['build']['finished_at']}" in again.message
+    after = read_json(root / MANIFEST_NAME)
+    assert after["files"] == before["files"] and after["quant"] == "Q4_0"
+    assert after["gguf"] == before["gguf"]  # the tensor types and imatrix record of the build that made it
+    assert after["build"]["bytes_sha256"] == before["build"]["bytes_sha256"]
+    assert after["build"]["inputs_sha256"] != before["build"]["inputs_sha256"]
+    assert after["build"]["bytes_from"]["inputs_sha256"] == before["build"]["inputs_sha256"]
+    ops = [s["op"] for s in after["build"]["steps"]]
+    assert not {"convert", "imatrix", "quantize"} & set(ops) and "validate" in ops, ops
+    assert "-np 2" in after["serve"]["command"] and "-np 2" not in before["serve"]["command"]
+    assert after["validation"]["engines"]["llama.cpp"]["details"]["serve_check"]["ok"]
+
+    other = {"gguf-q4_0": {**TARGETS["gguf-q4_0"], "quant": "Q8_0"}}
+    write_recipe(tiny_recipe_dir / "tiny.yaml", targets=other, serve={"llamacpp": {"parallel": 2}})
+    [rebuilt] = build_recipe(recipe, threads=2)
+    assert rebuilt.outcome == "built" and "files kept" not in (rebuilt.message or "")
+    assert "quantize" in [s["op"] for s in read_json(root / MANIFEST_NAME)["build"]["steps"]]

@@ -41,6 +41,9 @@ class Target(TargetSpec, ABC):
     format: ClassVar[str]  # the artifact format recorded in the manifest
     environments: ClassVar[tuple[str, ...]]  # environments whose versions the manifest records
     gpu_host: ClassVar[bool] = False  # built only on GPU hosts (its DVC stages: gpu/dvc.yaml)
+    # whether a rebuild whose bytes' inputs are unchanged (only serving or validation inputs moved)
+    # may keep the earlier build's files: not for an engine compiled for the GPU it was built on
+    bytes_portable: ClassVar[bool] = True
 
     def primary_engine(self) -> str:
         return self.engine

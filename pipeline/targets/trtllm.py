@@ -213,6 +213,7 @@ class TrtllmTarget(Target):
     engine: ClassVar[str] = ENGINE_TRTLLM
     format: ClassVar[str] = "tensorrt-engine"
     environments: ClassVar[tuple[str, ...]] = (ENV_MODELOPT, ENV_TRTLLM)
+    bytes_portable: ClassVar[bool] = False  # an engine is compiled for its build host's GPU
     gpu_host: ClassVar[bool] = True
 
     _arch = field_validator("gpu_arch")(known_gpu_arch)

@@ -197,6 +197,8 @@ def table(files: list[Path]) -> str:
         if serving.get("status") == "passed":
             for run in serving.get("workloads") or []:
                 if not run.get("levels"):  # a workload that failed: an earlier run's row stands
+                    why = str(run.get("reason") or run.get("error")).split(" (")[0]
+                    attempts.setdefault(card, {})[key] = f"{path.name}: {_shape(run['workload'])}: {why}"
                     continue
                 shape = _shape(run["workload"])
                 cards.setdefault(card, {}).setdefault(key, {})[shape] = (path, serving, run)

@@ -17,6 +17,7 @@ from pipeline.artifacts import (
     Layout,
     artifacts_root,
     build_lock,
+    clone_file,
     file_entries,
     keep_version,
     publish,
@@ -37,7 +38,7 @@ from pipeline.context import BuildContext, NullReporter, Reporter
 from pipeline.engines.serving import command_line
 from pipeline.environments import environment_exists
 from pipeline.errors import DiskFullError, PipelineError, RecipeError, RegistryError
-from pipeline.hashing import json_sha256
+from pipeline.hashing import file_sha256, json_sha256
 from pipeline.manifest import (
     BuildInfo,
     Manifest,
@@ -55,6 +56,7 @@ from pipeline.source import resolve_source
 from pipeline.spec import LoadedRecipe, workload_shape
 from pipeline.targets import Target
 from pipeline.targets.base import BuildOutput
+from pipeline.texts import HF_PREFIX
 from pipeline.workers.protocol import is_disk_full
 
 # What `dvc metrics show` and the report list for each target (besides status, engine, size).
@@ -249,7 +251,8 @@ class Project:
             why = outdated or f"the workspace copy was damaged ({'; '.join(damaged)})"
             result.message = "; ".join(filter(None, [result.message, f"rebuilt: {why}"]))
         if keep is not None:
-            kept = f"files kept from the build of {keep.build.finished_at} (only the numbers' inputs moved)"
+            made = _provenance(keep)["finished_at"]
+            kept = f"files kept from the build of {made} (only the numbers' inputs moved)"
             result.message = "; ".join(filter(None, [result.message, kept]))
         return result
 
@@ -257,9 +260,9 @@ class Project:
         self, name: str, spec: Target, old: Manifest | None, inputs: TargetInputs
     ) -> Manifest | None:
         """The workspace artifact whose files a rebuild may keep: its files' own inputs are this
-        build's (only serving knobs, the serving benchmark or the reference moved) and its bytes
-        are intact. Requantizing a 7B model to change a benchmark's time cap cost a device lease
-        its disk and a call (2026-12-06)."""
+        build's (only serving knobs, the serving benchmark, gates or the reference moved) and its
+        bytes are intact. On 2026-12-06 a changed benchmark time cap requantized a 7B GGUF on the
+        device (its disk then ran out)."""
         if old is None or not spec.bytes_portable or old.build.bytes_sha256 != inputs.bytes_sha256:
             return None
         if verify_files(self.layout.target_dir(name), old.files):
@@ -465,13 +468,18 @@ def bytes_sha256(ctx: BuildContext, name: str, spec: Target, toolchain: dict[str
     score it (not the load generator's). The serve command, the serving benchmark and the reference
     decide only the numbers."""
     r = ctx.loaded.recipe
+    cal = r.calibration
+    # a local or built-in calibration text by its contents (a hub dataset's reference names its
+    # revision): a file edited in place must not leave earlier quantized files kept
+    text = None if cal is None or cal.dataset.startswith(HF_PREFIX) else ctx.loaded.text_path(cal.dataset)
     return json_sha256(
         {
             "schema": MANIFEST_SCHEMA,
             "target": name,
             "spec": spec.model_dump(exclude={"gates"}),
             "source": ctx.source.sha256,
-            "calibration": r.calibration.model_dump() if r.calibration else None,
+            "calibration": cal.model_dump() if cal else None,
+            "calibration_text": file_sha256(text) if text is not None and text.is_file() else None,
             "tp_size": ctx.serve(name).tp_size,
             "toolchain": {env: toolchain[env] for env in spec.recorded_environments()},
         }
@@ -479,12 +487,13 @@ def bytes_sha256(ctx: BuildContext, name: str, spec: Target, toolchain: dict[str
 
 
 def _copy_files(final: Path, keep: Manifest, staging: Path) -> BuildOutput:
-    """`keep`'s verified files, copied from the workspace into `staging` (copies: a kept version
-    shares no storage with the workspace), and what its build handed the orchestrator."""
+    """`keep`'s verified files, cloned from the workspace into `staging` (reflinks where the
+    filesystem has them, else copies: a full copy needs the disk a rebuild's output would), and
+    what its build handed the orchestrator."""
     for entry in keep.files:
         dest = staging / entry.path
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(final / entry.path, dest)
+        clone_file(final / entry.path, dest)
     return BuildOutput(
         quant=keep.quant, gpu_arch=keep.build.gpu_arch, profile=keep.build.profile, gguf=keep.gguf,
         quantization=keep.quantization, trtllm=keep.trtllm,
@@ -492,8 +501,11 @@ def _copy_files(final: Path, keep: Manifest, staging: Path) -> BuildOutput:
 
 
 def _provenance(keep: Manifest) -> dict[str, Any]:
-    """Which build made the files a rebuild kept (`build.bytes_from`)."""
+    """Which build made the files a rebuild kept (`build.bytes_from`): the one `keep` names where
+    it kept them in turn."""
     b = keep.build
+    if b.bytes_from is not None:
+        return b.bytes_from
     return {
         "inputs_sha256": b.inputs_sha256,
         "finished_at": b.finished_at,

@@ -253,7 +253,7 @@ def _table(rows: list[ReportRow]) -> str:
             _cell(r.tokens_per_s, ".1f") + _contended(r.tokens_per_s_others_cpu_share),
             _cell(r.serving_status), _cell(r.measured_on if r.serving else None),
             _cell(low and low.ttft_ms_p99, ".0f") + (f" (c={low.concurrency})" if low else "")
-            + _contended(low and low.others_cpu_share),
+            + _contended(low and low.others_cpu_share) + _cut(low and low.incomplete),
             _cell(high and high.output_tokens_per_s, ".1f") + (f" (c={high.concurrency})" if high else "")
             + _contended(high and high.others_cpu_share) + _cut(high and high.incomplete),
             _cell(r.bound_share_c1, ".0%"),

@@ -265,6 +265,11 @@ def _exclusion(c: Candidate, s: Scenario) -> str | None:
     if wants_serving and level is None:
         return f"no serving numbers at concurrency {s.concurrency} ({_serving_state(c, s)})"
     if level is not None:
+        limited = s.max_ttft_ms is not None or s.max_itl_ms is not None
+        if limited and (level.get("ttft_ms_p99") is None or level.get("itl_ms_p99") is None):
+            return (
+                f"no request finished at concurrency {s.concurrency} inside its time cap: no latency to bound"
+            )
         if s.max_ttft_ms is not None and level["ttft_ms_p99"] > s.max_ttft_ms:
             return (
                 f"TTFT p99 {level['ttft_ms_p99']:.0f} ms > {s.max_ttft_ms} ms at concurrency {s.concurrency}"

@@ -212,6 +212,11 @@ def test_a_level_its_time_cap_cut_is_named_in_the_reasons(tmp_path: Path) -> Non
     assert "CUT" not in reasons["gguf-q4_0"]
     assert "0.0 output tokens/s, no request finished" in reasons["gguf-iq4_xs"]
     assert "CUT: the level's time cap ended it with 0 of 32 requests finished" in reasons["gguf-iq4_xs"]
+    bounded = select(reg, Scenario(model="m", cpu=True, objective="latency", concurrency=1, max_ttft_ms=5000))
+    assert [c["target"] for c in bounded["ranked"]] == ["gguf-q4_0", "gguf-q8_0"]
+    assert _why(bounded, "gguf-iq4_xs") == (
+        "no request finished at concurrency 1 inside its time cap: no latency to bound"
+    )
 
 
 def test_workload_picks_which_shape_s_numbers_rank(tmp_path: Path) -> None:

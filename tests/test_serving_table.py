@@ -200,6 +200,11 @@ def test_a_later_run_whose_workload_failed_leaves_the_earlier_row_standing(tmp_p
     awq = [line for line in serving_table.table([first, later]).splitlines() if line.startswith("| AWQ")]
     assert len(awq) == 2 and "| 2048/256 | 50.0 |" in awq[1]
     assert awq[1].endswith("| h100-2026-12-05-serving.json |")
+    alone = serving_table.table([later])  # no earlier row: the gap names the failed workload's reason
+    assert (
+        "2048/256 not served (latest failed attempt, "
+        "h100-2026-12-06-serving-run3.json: 2048/256: server died)" in alone
+    )
 
 
 def test_a_workload_a_later_benchmark_failed_is_listed_with_that_reason(tmp_path: Path) -> None:

@@ -600,8 +600,8 @@ def _guidellm_level(streams: int, successful: int, errored: int, incomplete: int
 
 @pytest.mark.parametrize(
     ("last", "fails"),
-    [((0, 0, 128), False), ((0, 128, 0), True), ((0, 0, 0), True)],
-    ids=["cut-before-any-finished", "all-errored", "none-sent"],
+    [((0, 0, 128), False), ((0, 5, 123), False), ((0, 128, 0), True), ((0, 0, 0), True)],
+    ids=["cut-before-any-finished", "some-errored-the-rest-cut", "all-errored", "none-sent"],
 )
 def test_a_level_cut_before_any_request_finished_is_recorded_and_an_errored_one_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, last: tuple[int, int, int], fails: bool
@@ -609,7 +609,8 @@ def test_a_level_cut_before_any_request_finished_is_recorded_and_an_errored_one_
     """2026-12-06, H100: llama-server's 128 slots at 2048/256 finished no request inside the 60 s
     cap (128 incomplete, none errored), and the error that followed threw away the levels before it
     and the raw server's run. Such a level is a measurement, cut with none finished: no latency,
-    no tokens counted. A level whose requests all errored, or that sent none, still fails."""
+    no tokens counted (its errored requests counted as such). A level whose requests all errored,
+    or that sent none, still fails, saying which."""
     from pipeline.workers import loadgen
 
     report = {"benchmarks": [_guidellm_level(1, 32, 0, 0), _guidellm_level(128, *last)]}
@@ -618,7 +619,10 @@ def test_a_level_cut_before_any_request_finished_is_recorded_and_an_errored_one_
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         if fails:
-            with pytest.raises(RuntimeError, match="no request succeeded at concurrency 128 with 2048/256"):
+            what = "128 errored" if last[1] else "no request was sent"
+            with pytest.raises(
+                RuntimeError, match=f"no request succeeded at concurrency 128 with 2048/256 .*{what}"
+            ):
                 loadgen._measure(server, "http://x", "m", "tok", workload, tmp_path / "server.log")
             return
         measured = loadgen._measure(server, "http://x", "m", "tok", workload, tmp_path / "server.log")
@@ -627,5 +631,5 @@ def test_a_level_cut_before_any_request_finished_is_recorded_and_an_errored_one_
         server.kill()
         server.wait()
     assert one["completed"] == 32 and one["ttft_ms_p99"] == 90.0 and one["output_tokens_per_s"] == 40.0
-    assert cut["completed"] == 0 and cut["incomplete"] == 128 and cut["planned"] == 512
+    assert cut["completed"] == 0 and cut["incomplete"] + cut["errored"] == 128 and cut["planned"] == 512
     assert cut["output_tokens_per_s"] == 0.0 and cut["ttft_ms_p99"] is None and cut["itl_ms_p50"] is None

@@ -143,10 +143,11 @@ def _measure(
         # a level the time cap ended before any request finished is a measurement (cut, none
         # finished: 2048/256 at 128 streams on llama-server, 2026-12-06); one whose requests all
         # errored, or that sent none, is not
-        if not level["completed"] and (level["errored"] or not level["incomplete"]):
+        if not level["completed"] and not level["incomplete"]:
+            what = f"{level['errored']} errored" if level["errored"] else "no request was sent"
             raise RuntimeError(
                 f"no request succeeded at concurrency {level['concurrency']} with {shape} "
-                f"({level['errored']} errored; server log: {log})"
+                f"({what}; server log: {log})"
             )
     return {"seconds": time.perf_counter() - t0, "levels": levels}
 

@@ -24,6 +24,8 @@ import sys
 import threading
 import time
 import urllib.error
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -61,57 +63,74 @@ def engine_steps(
     return {r["pl"]: {"step_ms": 1000 * r["t_tg"] / r["tg"], "tokens_per_s": r["speed_tg"]} for r in rows}
 
 
+@contextmanager
+def llama_server(gguf: Path, slots: int, slot: int, args: list[str], log: Path) -> Iterator[str]:
+    """A ready llama-server on `gguf` with `slots` slots of `slot` KV cells each and `args` more:
+    its base URL (OverheadError, one line, if it does not start); killed on leaving."""
+    port = free_port()
+    argv = [str(tool("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-c", str(slots * slot), "-np", str(slots), *args]  # fmt: skip
+    with log.open("w") as out:
+        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        try:  # the serving benchmark's own wait: the server's exit reason or a time limit, one line
+            wait_ready(server, base, log, 300)
+        except RuntimeError as exc:
+            raise OverheadError(f"llama-server: {exc}") from None
+        yield base
+    finally:
+        server.kill()
+        server.wait()
+
+
+def post_concurrently(url: str, bodies: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float]:
+    """Every body posted at once, one thread each: the answers and the wall seconds until the last
+    (OverheadError naming the first failure and how many failed)."""
+    got: list[dict[str, Any]] = []
+    failed: list[str] = []
+
+    def one(body: dict[str, Any]) -> None:
+        try:
+            got.append(post_json(url, body, 1800))
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            failed.append(str(exc))
+
+    threads = [threading.Thread(target=one, args=(body,)) for body in bodies]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - start
+    if failed:
+        raise OverheadError(f"{len(failed)} of {len(bodies)} requests to llama-server failed: {failed[0]}")
+    return got, wall
+
+
 def server_steps(
     gguf: Path, parallel: list[int], prompt: int, output: int, common: list[str], extra: list[str], log: Path
 ) -> dict[int, Any]:
     """llama-server with max(parallel) slots: per parallel count, the slots' median ms per generated
     token and the aggregate output tokens/s over the wall time of the N requests."""
-    port, slots = free_port(), max(parallel)
-    argv = [str(tool("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "-c", str(slots * slot_tokens(prompt, output)), "-np", str(slots), *common, *extra]  # fmt: skip
-    with log.open("w") as out:
-        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    completion = f"http://127.0.0.1:{port}/completion"
-    try:
-        try:  # the serving benchmark's own wait: the server's exit reason or a time limit, one line
-            wait_ready(server, f"http://127.0.0.1:{port}", log, 300)
-        except RuntimeError as exc:
-            raise OverheadError(f"llama-server: {exc}") from None
 
-        def body(i: int) -> dict[str, Any]:  # a distinct token-id prompt per request, no shared prefix
-            ids = [100 + (i * 7919 + j * 104729) % 20000 for j in range(prompt)]
-            return {"prompt": ids, "n_predict": output, "ignore_eos": True, "cache_prompt": False}
+    def body(i: int) -> dict[str, Any]:  # a distinct token-id prompt per request, no shared prefix
+        ids = [100 + (i * 7919 + j * 104729) % 20000 for j in range(prompt)]
+        return {"prompt": ids, "n_predict": output, "ignore_eos": True, "cache_prompt": False}
 
+    slot = slot_tokens(prompt, output)
+    with llama_server(gguf, max(parallel), slot, [*common, *extra], log) as base:
+        completion = f"{base}/completion"
         post_json(completion, body(10**6), 600)  # warm-up: first-use allocations, CUDA graphs
         results: dict[int, Any] = {}
         for n in parallel:
-            got: list[dict[str, Any]] = []
-            failed: list[str] = []
-
-            def one(i: int, got: list[dict[str, Any]] = got, failed: list[str] = failed) -> None:
-                try:
-                    got.append(post_json(completion, body(i), 1800))
-                except (urllib.error.URLError, OSError, ValueError) as exc:
-                    failed.append(str(exc))
-
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-            start = time.monotonic()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.monotonic() - start
-            if failed:
-                raise OverheadError(f"{len(failed)} of {n} requests to llama-server failed: {failed[0]}")
+            got, wall = post_concurrently(completion, [body(i) for i in range(n)])
             short = [r["tokens_predicted"] for r in got if r.get("tokens_predicted") != output]
             if short:
                 raise OverheadError(f"llama-server generated {short[0]} tokens, not {output} (ignore_eos)")
             per_token = [r["timings"]["predicted_per_token_ms"] for r in got]
             results[n] = {"step_ms": statistics.median(per_token), "tokens_per_s": n * output / wall}
         return results
-    finally:
-        server.kill()
-        server.wait()
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

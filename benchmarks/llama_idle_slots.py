@@ -23,23 +23,16 @@ import json
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 from pathlib import Path
 from typing import Any
 
-from pipeline.engines.serving import free_port
-from pipeline.spec import LLAMA_SLOT_STEP
-from pipeline.workers.llamacpp import tool
-from pipeline.workers.loadgen import wait_ready
+from llama_decode_overhead import OverheadError, llama_server, post_concurrently, slot_tokens
+
 from pipeline.workers.serving import post_json
 
 EVICTION = "making room for prompt cache entry"
-
-
-class IdleSlotsError(RuntimeError):
-    """A setting that could not be measured: one line naming why."""
 
 
 def settings(cache_ram: int | None) -> dict[str, list[str]]:
@@ -61,40 +54,16 @@ def _prompt(i: int, n: int) -> list[int]:
 
 def _wave(url: str, first: int, n: int, prompt: int, output: int) -> float:
     """n concurrent requests of distinct prompts: their output tokens/s over the wave's wall time."""
-    failed: list[str] = []
-
-    def one(i: int) -> None:
-        body = {"prompt": _prompt(i, prompt), "n_predict": output, "ignore_eos": True}
-        try:
-            post_json(url, body, 1800)
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            failed.append(str(exc))
-
-    threads = [threading.Thread(target=one, args=(first + i,)) for i in range(n)]
-    start = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if failed:
-        raise IdleSlotsError(f"{len(failed)} of {n} requests to llama-server failed: {failed[0]}")
-    return n * output / (time.monotonic() - start)
+    body = {"n_predict": output, "ignore_eos": True}
+    _, wall = post_concurrently(url, [{**body, "prompt": _prompt(first + i, prompt)} for i in range(n)])
+    return n * output / wall
 
 
 def measure_setting(gguf: Path, args: argparse.Namespace, extra: list[str], log: Path) -> dict[str, Any]:
     """One server of this setting: fill every slot, time the sequential requests, one more wave."""
-    slot = -(-(args.prompt_tokens + args.output_tokens + 1) // LLAMA_SLOT_STEP) * LLAMA_SLOT_STEP
-    port = free_port()
-    argv = [str(tool("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "-c", str(args.slots * slot), "-np", str(args.slots), "-ngl", str(args.ngl), *extra]  # fmt: skip
-    with log.open("w") as out:
-        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/completion"
-    try:
-        try:
-            wait_ready(server, f"http://127.0.0.1:{port}", log, 300)
-        except RuntimeError as exc:
-            raise IdleSlotsError(f"llama-server: {exc}") from None
+    slot = slot_tokens(args.prompt_tokens, args.output_tokens)
+    with llama_server(gguf, args.slots, slot, ["-ngl", str(args.ngl), *extra], log) as base:
+        url = f"{base}/completion"
         _wave(url, 0, args.slots, args.prompt_tokens, args.output_tokens)  # every slot holds a prompt
         walls, server_ms = [], []
         for i in range(args.requests):
@@ -105,9 +74,6 @@ def measure_setting(gguf: Path, args: argparse.Namespace, extra: list[str], log:
             walls.append(1000 * (time.monotonic() - start))
             server_ms.append(got["timings"]["prompt_ms"] + got["timings"]["predicted_ms"])
         wave_tps = _wave(url, 20_000, args.slots, args.prompt_tokens, args.output_tokens)
-    finally:
-        server.kill()
-        server.wait()
     overhead = [w - s for w, s in zip(walls, server_ms, strict=True)]
     return {
         "server_args": extra,
@@ -161,7 +127,7 @@ def main() -> None:
     try:
         for i, (name, extra) in enumerate(settings(args.cache_ram).items()):
             result["settings"][name] = measure_setting(args.gguf, args, extra, log_dir / f"server-{i}.log")
-    except (IdleSlotsError, FileNotFoundError, subprocess.TimeoutExpired, urllib.error.URLError) as exc:
+    except (OverheadError, FileNotFoundError, subprocess.TimeoutExpired, urllib.error.URLError) as exc:
         sys.exit(f"error: {exc}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -171,6 +171,11 @@ def _why_not(row: dict[str, Any] | None) -> str:
     return "its latest row passed but holds no serving record"
 
 
+def _without_paths(reason: object) -> str:
+    """A failure's reason up to its first parenthesis: without the GPU host's log paths."""
+    return str(reason).split(" (")[0]
+
+
 def table(files: list[Path]) -> str:
     """The markdown: one section per card (its rows, its gaps, its settings sweeps), then what no
     card has served."""
@@ -192,12 +197,12 @@ def table(files: list[Path]) -> str:
             sweeps.setdefault(card, []).append((path, row))
         serving = row.get("serving") or {}
         if serving.get("status") in ("failed", "error"):  # the reason a workload may still lack a row
-            reason = str(serving.get("reason")).split(" (")[0]  # without its log paths on the GPU host
+            reason = _without_paths(serving.get("reason"))
             attempts.setdefault(card, {})[key] = f"{path.name}: {serving['status']}: {reason}"
         if serving.get("status") == "passed":
             for run in serving.get("workloads") or []:
                 if not run.get("levels"):  # a workload that failed: an earlier run's row stands
-                    why = str(run.get("reason") or run.get("error")).split(" (")[0]
+                    why = _without_paths(run.get("reason") or run.get("error"))
                     attempts.setdefault(card, {})[key] = f"{path.name}: {_shape(run['workload'])}: {why}"
                     continue
                 shape = _shape(run["workload"])

@@ -240,7 +240,7 @@ class Project:
             why = outdated or f"the workspace artifact is damaged ({damaged[0]})"
             ctx.reporter.step(name, f"{why}: rebuilding it")
         self.check_loadable(ctx, name, spec)
-        keep = self._keepable(name, spec, old, inputs) if not damaged else None
+        keep = None if damaged else self._keepable(name, spec, old, inputs)
         staging = self.layout.new_staging(name)
         try:
             manifest = self.make_artifact(ctx, name, spec, staging, inputs, keep=keep)
@@ -265,7 +265,8 @@ class Project:
         device (its disk then ran out)."""
         if old is None or not spec.bytes_portable or old.build.bytes_sha256 != inputs.bytes_sha256:
             return None
-        if verify_files(self.layout.target_dir(name), old.files):
+        # same inputs: the caller has just verified the files (a rebuild for an outdated reference)
+        if old.build.inputs_sha256 != inputs.sha256 and verify_files(self.layout.target_dir(name), old.files):
             return None
         return old
 

@@ -529,17 +529,17 @@ def test_a_rebuild_that_moves_only_the_numbers_inputs_keeps_the_files_and_scores
     calibration = {"dataset": "calibration.txt", "samples": 4, "seq_len": 64}
     recipe = write_recipe(tiny_recipe_dir / "tiny.yaml", targets=q4, calibration=calibration)
     [first] = build_recipe(recipe, threads=2)
+
+    def rewrite(targets: dict, parallel: int) -> None:  # the same recipe, other targets or slots
+        serve = {"llamacpp": {"parallel": parallel}}
+        write_recipe(recipe, targets=targets, calibration=calibration, serve=serve)
+
     assert first.outcome == "built" and first.validation == "passed", first.message
     root = _isolated_artifacts / "tiny" / "gguf-q4_0"
     before = read_json(root / MANIFEST_NAME)
     assert before["build"]["bytes_sha256"] and before["build"]["bytes_from"] is None
 
-    write_recipe(
-        tiny_recipe_dir / "tiny.yaml",
-        targets=q4,
-        calibration=calibration,
-        serve={"llamacpp": {"parallel": 2}},
-    )
+    rewrite(q4, parallel=2)
     [again] = build_recipe(recipe, threads=2)
     assert again.outcome == "built" and again.validation == "passed", again.message
     assert f"files kept from the build of {before['build']['finished_at']}" in again.message
@@ -555,35 +555,20 @@ def test_a_rebuild_that_moves_only_the_numbers_inputs_keeps_the_files_and_scores
     assert after["validation"]["engines"]["llama.cpp"]["details"]["serve_check"]["ok"]
 
     # kept twice: still the build that made them
-    write_recipe(
-        tiny_recipe_dir / "tiny.yaml",
-        targets=q4,
-        calibration=calibration,
-        serve={"llamacpp": {"parallel": 4}},
-    )
+    rewrite(q4, parallel=4)
     [third] = build_recipe(recipe, threads=2)
     assert f"files kept from the build of {before['build']['finished_at']}" in third.message
     assert read_json(root / MANIFEST_NAME)["build"]["bytes_from"] == after["build"]["bytes_from"]
 
     # the calibration text edited in place (same recipe reference) and the command moved: built anew
     calibration_text.write_text(calibration_text.read_text()[::-1])
-    write_recipe(
-        tiny_recipe_dir / "tiny.yaml",
-        targets=q4,
-        calibration=calibration,
-        serve={"llamacpp": {"parallel": 2}},
-    )
+    rewrite(q4, parallel=2)
     [recalibrated] = build_recipe(recipe, threads=2)
     assert recalibrated.outcome == "built" and "files kept" not in (recalibrated.message or "")
     assert {"imatrix", "quantize"} <= {s["op"] for s in read_json(root / MANIFEST_NAME)["build"]["steps"]}
 
     other = {"gguf-q4_0": {**TARGETS["gguf-q4_0"], "quant": "Q8_0"}}
-    write_recipe(
-        tiny_recipe_dir / "tiny.yaml",
-        targets=other,
-        calibration=calibration,
-        serve={"llamacpp": {"parallel": 2}},
-    )
+    rewrite(other, parallel=2)
     [rebuilt] = build_recipe(recipe, threads=2)
     assert rebuilt.outcome == "built" and "files kept" not in (rebuilt.message or "")
     assert "quantize" in [s["op"] for s in read_json(root / MANIFEST_NAME)["build"]["steps"]]

@@ -439,8 +439,9 @@ class Project:
 def inputs_sha256(
     ctx: BuildContext, name: str, spec: Target, toolchain: dict[str, Any], serve_command: str
 ) -> str:
-    """Everything that decides an artifact's bytes and its validation numbers: the spec, the
-    source, the shared recipe sections, the reference's inputs, each environment's versions."""
+    """Everything that decides an artifact's bytes and its validation numbers: what decides the
+    files (bytes_sha256), the gates, the reference's inputs, the serve commands, the serving
+    benchmark and every recorded environment's versions (the load generator's too)."""
     r = ctx.loaded.recipe
     bench = r.serving_benchmark
     benchmarked = bench.hashed() if bench.benchmarks(name) else None
@@ -451,9 +452,11 @@ def inputs_sha256(
         {
             "schema": MANIFEST_SCHEMA,
             "target": name,
-            "spec": spec.model_dump(),
-            "source": ctx.source.sha256,
-            "calibration": r.calibration.model_dump() if r.calibration else None,
+            # the spec without its gates, the source, the calibration and its text's contents, the
+            # tensor-parallel split (before 2026-12-06 a calibration file edited in place, with
+            # nothing else moved, left the target up to date)
+            "bytes": bytes_sha256(ctx, name, spec, toolchain),
+            "gates": spec.gates.model_dump(),
             "reference": ctx.reference_inputs(),
             "serve": serve_command,  # carries the recipe's serving knobs this target uses
             **({"other_serve": others} if others else {}),

@@ -44,7 +44,7 @@ from pipeline.context import NullReporter, Reporter
 from pipeline.environments import ENVIRONMENTS, local_gpu_arch
 from pipeline.errors import BuildError, EngineError, PipelineError
 from pipeline.manifest import Manifest
-from pipeline.project import Project, TargetResult
+from pipeline.project import Project, TargetResult, kept_note
 from pipeline.targets import Target
 from pipeline.workers.protocol import is_disk_full
 
@@ -326,6 +326,7 @@ class ClusterBuild:
                     damage = "; ".join(problems[:3])
                     raise BuildError(f"{name}: the artifact arrived damaged from its node: {damage}")
                 result = self.project.record(name, spec, arrived, manifest)
+                result.message = "; ".join(filter(None, [result.message, kept_note(manifest)]))
                 self._clean(attempt)
         except PipelineError as exc:
             return self._error(attempt, exc)
@@ -397,9 +398,13 @@ def _build_task(
             if not force and inputs.sha256 == previous_inputs:
                 return {"outcome": "up-to-date"}
             project.check_loadable(ctx, name, spec)  # as a plain build: before any step of it
+            # the shared root's files, where only the numbers' inputs moved (a plain build's rule)
+            keep = None if force else shared.keepable(name, spec, shared.current_manifest(name), inputs)
             staging = project.layout.new_staging(name)
             try:
-                manifest = project.make_artifact(ctx, name, spec, staging, inputs)
+                manifest = project.make_artifact(
+                    ctx, name, spec, staging, inputs, keep=keep, keep_dir=shared.layout.target_dir(name)
+                )
                 arrived = incoming / attempt
                 _copy_complete(staging, arrived)
             finally:

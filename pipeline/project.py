@@ -240,7 +240,7 @@ class Project:
             why = outdated or f"the workspace artifact is damaged ({damaged[0]})"
             ctx.reporter.step(name, f"{why}: rebuilding it")
         self.check_loadable(ctx, name, spec)
-        keep = None if damaged else self._keepable(name, spec, old, inputs)
+        keep = None if damaged else self.keepable(name, spec, old, inputs)
         staging = self.layout.new_staging(name)
         try:
             manifest = self.make_artifact(ctx, name, spec, staging, inputs, keep=keep)
@@ -250,13 +250,12 @@ class Project:
         if damaged or outdated:
             why = outdated or f"the workspace copy was damaged ({'; '.join(damaged)})"
             result.message = "; ".join(filter(None, [result.message, f"rebuilt: {why}"]))
-        if keep is not None:
-            made = _provenance(keep)["finished_at"]
-            kept = f"files kept from the build of {made} (only the numbers' inputs moved)"
+        kept = kept_note(manifest)
+        if kept:
             result.message = "; ".join(filter(None, [result.message, kept]))
         return result
 
-    def _keepable(
+    def keepable(
         self, name: str, spec: Target, old: Manifest | None, inputs: TargetInputs
     ) -> Manifest | None:
         """The workspace artifact whose files a rebuild may keep: its files' own inputs are this
@@ -313,9 +312,11 @@ class Project:
         staging: Path,
         inputs: TargetInputs,
         keep: Manifest | None = None,
+        keep_dir: Path | None = None,
     ) -> Manifest:
-        """Build (or copy `keep`'s files: an earlier build of the same bytes' inputs), validate and
-        benchmark the target into `staging`, and write its manifest there."""
+        """Build (or copy `keep`'s files from `keep_dir`, the workspace's target directory unless
+        given: an earlier build of the same bytes' inputs), validate and benchmark the target into
+        `staging`, and write its manifest there."""
         t0 = time.perf_counter()
         first_step = len(ctx.steps)
         try:
@@ -324,7 +325,7 @@ class Project:
                 built = spec.build(ctx, name, staging)
             else:
                 ctx.reporter.step(name, "keeping the earlier build's files (their inputs are unchanged)")
-                built = _copy_files(self.layout.target_dir(name), keep, staging)
+                built = _copy_files(keep_dir or self.layout.target_dir(name), keep, staging)
             build_s = time.perf_counter() - t0
             files = file_entries(staging)
             validation = spec.validate(ctx, name, staging)
@@ -502,6 +503,14 @@ def _copy_files(final: Path, keep: Manifest, staging: Path) -> BuildOutput:
         quant=keep.quant, gpu_arch=keep.build.gpu_arch, profile=keep.build.profile, gguf=keep.gguf,
         quantization=keep.quantization, trtllm=keep.trtllm,
     )  # fmt: skip
+
+
+def kept_note(manifest: Manifest) -> str | None:
+    """What a build that kept earlier files says about them (None: it made its own)."""
+    made = manifest.build.bytes_from
+    if made is None:
+        return None
+    return f"files kept from the build of {made['finished_at']} (only the numbers' inputs moved)"
 
 
 def _provenance(keep: Manifest) -> dict[str, Any]:

@@ -103,6 +103,19 @@ def test_targets_land_on_nodes_that_advertise_their_environments(
     assert twice == {"gguf-f16": "up-to-date"}
     assert [p.name for p in (root / ".versions" / "gguf-f16").iterdir()] == ["1"]
 
+    # Only the deploy command moved: the node keeps the shared root's files, as a plain build does.
+    before = read_json(root / "gguf-q8_0" / MANIFEST_NAME)
+    targets = {"gguf-f16": GGUF, "gguf-q8_0": Q8, "trt-fp16": TRTLLM}
+    write_recipe(recipe, targets=targets, serve={"llamacpp": {"parallel": 2}})
+    [kept] = build_on_cluster(Project.open(recipe), c.address, ["gguf-q8_0"])
+    assert kept.outcome == "built" and kept.validation == "passed", kept
+    assert f"files kept from the build of {before['build']['finished_at']}" in kept.message
+    after = read_json(root / "gguf-q8_0" / MANIFEST_NAME)
+    assert after["files"] == before["files"] and "-np 2" in after["serve"]["command"]
+    assert after["build"]["bytes_from"]["inputs_sha256"] == before["build"]["inputs_sha256"]
+    assert not {"convert", "quantize"} & {s["op"] for s in after["build"]["steps"]}
+    _no_leftovers(root)
+
 
 def test_a_killed_build_task_is_retried_on_another_node_and_the_registry_loses_nothing(
     cluster: tuple[Cluster, dict[str, str]], tiny_recipe_dir: Path, _isolated_artifacts: Path

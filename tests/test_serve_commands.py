@@ -312,10 +312,11 @@ def test_another_engine_s_deploy_command_is_part_of_the_inputs(tmp_path: Path) -
                               serve={"sglang": {"mem_fraction_static": fraction}})  # fmt: skip
         project = Project.open(recipe)
         ctx = project.context()
-        return {
-            name: inputs_sha256(ctx, name, spec, {}, spec.serve_command(ctx.serve(name)))
-            for name, spec in project.select(None).items()
-        }
+        got: dict[str, str] = {}
+        for name, spec in project.select(None).items():
+            toolchain = {env: {} for env in spec.recorded_environments()}
+            got[name] = inputs_sha256(ctx, name, spec, toolchain, spec.serve_command(ctx.serve(name)))
+        return got
 
     before, after = hashes(0.8), hashes(0.7)
     assert after["awq"] != before["awq"]

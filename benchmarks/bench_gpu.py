@@ -1038,7 +1038,7 @@ def main() -> None:
         "--raw-steps",
         default="convert,quantize,checkpoint,validate",
         help="pipeline step ops to repeat with the tool alone; serve and settings (serve:ENGINE: that "
-        "engine's only) run in the order given",
+        "engine's only) run in the order given; none: no raw side (a short lease)",
     )
     rn.add_argument(
         "--settings",
@@ -1064,7 +1064,7 @@ def main() -> None:
         warm(args.model_dir, args.model, args.json, args.attention_backend)
     else:
         targets = [t for t in args.targets.split(",") if t]
-        raw_ops = [op for op in args.raw_steps.split(",") if op]
+        raw_ops = [op for op in args.raw_steps.split(",") if op and op != "none"]
         settings = [name for name in args.settings.split(",") if name] if args.settings else None
         why = raw_steps_error(raw_ops) or settings_error(settings)
         if why:

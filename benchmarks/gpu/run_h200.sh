@@ -12,6 +12,8 @@
 #                                           SHAPE=qwen2.5-32b: the 32B shape, qwen2.5-32b-shape.yaml;
 #                                           SERVING=1: the serving table, qwen2-7b-serving(-llama).yaml
 #                                           (SOURCE_ROW=first|last|0: where the bf16 source row runs),
+#                                           R=none: no raw side (the project's builds and benchmarks
+#                                           alone, for a short lease);
 #                                           raw step `serve` for the engines with their defaults
 #                                           (`serve:sglang`: that engine's only, in the order given;
 #                                           ENGINES=sglang: only that engine benchmarked;

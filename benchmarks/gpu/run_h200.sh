@@ -19,6 +19,7 @@
 #                                           ENGINES=sglang: only that engine benchmarked;
 #                                           ONE_WORKLOAD=1: the first workload only;
 #                                           ONLY_WORKLOAD=2048/256: that workload alone;
+#                                           CONCURRENCY="1, 128": those levels alone;
 #                                           KV_UNIFIED=1: llama-server's slots share one KV cache),
 #                                           `settings` for one engine setting changed at a time
 #                                           (SETTINGS_ONLY="unified KV cache": those of bench_gpu.py's
@@ -233,7 +234,8 @@ case "${1:-}" in
       sed -e "s#@WORK@#$WORK#g" -e "${ENGINES:+s#, engines: all,#, engines: [$ENGINES],#}" \
         -e "${ONE_WORKLOAD:+s#more_workloads: \[[^]]*\]##}" \
         -e "${ONLY_WORKLOAD:+s#prompt_tokens: 512, output_tokens: 128#prompt_tokens: ${ONLY_WORKLOAD%/*}, output_tokens: ${ONLY_WORKLOAD#*/}#; s#more_workloads: \[[^]]*\]##}" \
-        -e "${KV_UNIFIED:+$unified}" "benchmarks/gpu/$r.yaml" \
+        -e "${KV_UNIFIED:+$unified}" -e "${CONCURRENCY:+s#concurrency: \[1, 8, 32, 128\]#concurrency: [$CONCURRENCY]#}" \
+        "benchmarks/gpu/$r.yaml" \
         > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
     done
     if [ -n "${ENGINES:-}" ] && ! grep -q "engines: \[$ENGINES\]" "$WORK/qwen2-7b-serving.yaml"; then
@@ -244,6 +246,9 @@ case "${1:-}" in
     fi
     if [ -n "${ONLY_WORKLOAD:-}" ] && ! grep -q "prompt_tokens: ${ONLY_WORKLOAD%/*}, output_tokens: ${ONLY_WORKLOAD#*/}, concurrency" "$WORK/qwen2-7b-serving.yaml"; then
       echo "ONLY_WORKLOAD=$ONLY_WORKLOAD: qwen2-7b-serving.yaml has no 512/128 workload to replace" >&2; exit 2
+    fi
+    if [ -n "${CONCURRENCY:-}" ] && ! grep -q "concurrency: \[$CONCURRENCY\]" "$WORK/qwen2-7b-serving.yaml"; then
+      echo "CONCURRENCY=$CONCURRENCY: qwen2-7b-serving.yaml has no concurrency list to replace" >&2; exit 2
     fi
     if [ -n "${KV_UNIFIED:-}" ] && ! grep -q "kv_unified: true" "$WORK/qwen2-7b-serving-llama.yaml"; then
       echo "KV_UNIFIED=$KV_UNIFIED: qwen2-7b-serving-llama.yaml has no llamacpp setting to extend" >&2; exit 2

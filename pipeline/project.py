@@ -250,9 +250,7 @@ class Project:
         if damaged or outdated:
             why = outdated or f"the workspace copy was damaged ({'; '.join(damaged)})"
             result.message = "; ".join(filter(None, [result.message, f"rebuilt: {why}"]))
-        kept = kept_note(manifest)
-        if kept:
-            result.message = "; ".join(filter(None, [result.message, kept]))
+        result.message = "; ".join(filter(None, [result.message, kept_note(manifest)]))
         return result
 
     def keepable(
@@ -301,8 +299,9 @@ class Project:
         if self.loaded.recipe.serving_benchmark.benchmarks(name) and environment_exists(ENV_GUIDELLM):
             toolchain[ENV_GUIDELLM] = ctx.versions(ENV_GUIDELLM)  # the load generator's numbers
         serve_command = spec.serve_command(ctx.serve(name))
-        inputs = inputs_sha256(ctx, name, spec, toolchain, serve_command)
-        return TargetInputs(toolchain, serve_command, inputs, bytes_sha256(ctx, name, spec, toolchain))
+        files = bytes_sha256(ctx, name, spec, toolchain)  # read once: it hashes a calibration text
+        inputs = inputs_sha256(ctx, name, spec, toolchain, serve_command, files)
+        return TargetInputs(toolchain, serve_command, inputs, files)
 
     def make_artifact(
         self,
@@ -438,10 +437,10 @@ class Project:
 
 
 def inputs_sha256(
-    ctx: BuildContext, name: str, spec: Target, toolchain: dict[str, Any], serve_command: str
+    ctx: BuildContext, name: str, spec: Target, toolchain: dict[str, Any], serve_command: str, files: str
 ) -> str:
     """Everything that decides an artifact's bytes and its validation numbers: what decides the
-    files (bytes_sha256), the gates, the reference's inputs, the serve commands, the serving
+    files (`files`, its bytes_sha256), the gates, the reference's inputs, the serve commands, the serving
     benchmark and every recorded environment's versions (the load generator's too)."""
     r = ctx.loaded.recipe
     bench = r.serving_benchmark
@@ -456,7 +455,7 @@ def inputs_sha256(
             # the spec without its gates, the source, the calibration and its text's contents, the
             # tensor-parallel split (before 2026-12-06 a calibration file edited in place, with
             # nothing else moved, left the target up to date)
-            "bytes": bytes_sha256(ctx, name, spec, toolchain),
+            "bytes": files,
             "gates": spec.gates.model_dump(),
             "reference": ctx.reference_inputs(),
             "serve": serve_command,  # carries the recipe's serving knobs this target uses

@@ -299,7 +299,7 @@ def test_another_engine_s_deploy_command_is_part_of_the_inputs(tmp_path: Path) -
     import numpy as np
     from safetensors.numpy import save_file
 
-    from pipeline.project import Project, inputs_sha256
+    from pipeline.project import Project, bytes_sha256, inputs_sha256
     from tests.conftest import empty_checkpoint, write_recipe
 
     source = empty_checkpoint(tmp_path / "model")
@@ -315,7 +315,8 @@ def test_another_engine_s_deploy_command_is_part_of_the_inputs(tmp_path: Path) -
         got: dict[str, str] = {}
         for name, spec in project.select(None).items():
             toolchain = {env: {} for env in spec.recorded_environments()}
-            got[name] = inputs_sha256(ctx, name, spec, toolchain, spec.serve_command(ctx.serve(name)))
+            files = bytes_sha256(ctx, name, spec, toolchain)
+            got[name] = inputs_sha256(ctx, name, spec, toolchain, spec.serve_command(ctx.serve(name)), files)
         return got
 
     before, after = hashes(0.8), hashes(0.7)

@@ -5,15 +5,18 @@ DVC itself parses both (the end-to-end `dvc repro` runs are in test_smollm2_e2e.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
+from dvc.repo import Repo
 
 from pipeline.recipe import load_recipe
 from pipeline.targets.trtllm import TrtllmTarget
-from tests.conftest import REPO
+from pipeline.texts import HF_PREFIX
+from tests.conftest import REPO, empty_checkpoint, write_recipe
 
 PIPELINES = {"cpu": REPO / "dvc.yaml", "gpu": REPO / "gpu" / "dvc.yaml"}
 
@@ -114,3 +117,61 @@ def test_the_committed_lock_is_current_with_the_recipes() -> None:
                 assert _lookup(recipe, key) == recorded, stale
                 checked += 1
     assert checked >= len(lock["stages"])
+
+
+def _unlisted_local_inputs(project: Path) -> list[str]:
+    """One line per local file or directory a stage's recipe makes it read (source.path for
+    `source`, evaluation.text for `reference`, calibration.dataset for `build`) that is not among
+    the stage's deps: edited in place, DVC would call the stage up to date (`pipeline build` itself
+    would not: the text's bytes are in its inputs hash)."""
+    problems = []
+    with Repo(str(project)) as repo:
+        for stage in repo.index.stages:
+            m = re.search(r"pipeline (source|reference|build) (\S+\.yaml)", stage.cmd or "")
+            if not m:
+                continue
+            loaded = load_recipe(Path(stage.wdir) / m[2])
+            r = loaded.recipe
+            reads = {
+                "source": [("source.path", r.source.path, loaded.resolve_path)],
+                "reference": [("evaluation.text", r.evaluation.text, loaded.text_path)],
+                "build": [("calibration.dataset", r.calibration.dataset, loaded.text_path)]
+                if r.calibration
+                else [],
+            }[m[1]]
+            deps = [Path(d.fs_path).resolve() for d in stage.deps]
+            for key, ref, where in reads:
+                if not ref or ref.startswith(("builtin:", HF_PREFIX)):
+                    continue
+                path = where(ref).resolve()
+                if not any(path == d or path.is_relative_to(d) for d in deps):
+                    problems.append(f"{stage.name}: {key} {ref!r} is not among its deps")
+    return problems
+
+
+def test_every_local_file_a_recipe_reads_is_a_dep_of_the_stage_that_reads_it() -> None:
+    for project in (REPO, REPO / "gpu"):
+        assert _unlisted_local_inputs(project) == [], project
+
+
+def test_a_local_calibration_text_missing_from_the_deps_is_named(tmp_path: Path) -> None:
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=tmp_path, check=True)
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    empty_checkpoint(recipes / "model")
+    (recipes / "calib.txt").write_text("Some calibration text.\n" * 50)
+    write_recipe(recipes / "tiny.yaml", calibration={"dataset": "calib.txt", "samples": 4, "seq_len": 64})
+    stage = {
+        "cmd": "pipeline build recipes/tiny.yaml --targets gguf-f16",
+        "deps": ["recipes/model"],
+        "outs": ["artifacts/tiny/gguf-f16"],
+    }
+    pipeline = tmp_path / "dvc.yaml"
+    pipeline.write_text(yaml.safe_dump({"stages": {"tiny-gguf-f16": stage}}))
+    assert _unlisted_local_inputs(tmp_path) == [
+        "tiny-gguf-f16: calibration.dataset 'calib.txt' is not among its deps"
+    ]
+    stage["deps"].append("recipes/calib.txt")
+    pipeline.write_text(yaml.safe_dump({"stages": {"tiny-gguf-f16": stage}}))
+    assert _unlisted_local_inputs(tmp_path) == []

@@ -496,7 +496,9 @@ def registry_select(
     cpu: Annotated[bool, typer.Option("--cpu", help="A CPU host: engines validated on a CPU only.")] = False,
     gpu_arch: Annotated[str | None, typer.Option("--gpu-arch", help="A GPU host, e.g. sm90.")] = None,
     gpus: GpusOpt = None,
-    memory_gib: Annotated[float | None, typer.Option("--memory-gib", help="Memory the job has.")] = None,
+    memory_gib: Annotated[
+        float | None, typer.Option("--memory-gib", help="Memory the job has (on a GPU host: each GPU's).")
+    ] = None,
     max_ppl_delta: Annotated[float | None, typer.Option("--max-ppl-delta", help="ΔPPL %, at most.")] = None,
     max_ttft_ms: Annotated[float | None, typer.Option("--max-ttft-ms", help="TTFT p99, at most.")] = None,
     max_itl_ms: Annotated[float | None, typer.Option("--max-itl-ms", help="ITL p99, at most.")] = None,

@@ -139,25 +139,15 @@ def _memory(c: Candidate, env: str | None, s: Scenario) -> tuple[float, str]:
     measured peaks say little (the GPU's is the engine's reservation, a share of the whole GPU; the
     host's RSS is not where the weights live): the weights and the 16-bit KV cache of the scenario's
     concurrent requests at the benchmark's context are what it needs at least, or, where the deploy
-    command fixes the cache's size (llama-server's -c), the weights and that whole cache. On a CPU
-    host: the serving benchmark's peak RSS, else its validation's."""
+    command fixes the cache's size (llama-server's -c), the weights and that whole cache; sharded
+    over tp_size GPUs, each GPU's share of it (what `--memory-gib` is compared with on a GPU host).
+    On a CPU host: the serving benchmark's peak RSS, else its validation's."""
     bound = (c.serving or {}).get("decode_bound") or {}
     if c.serving and not _serving_device(c).startswith("cpu"):
-        allocated = _kv_allocated_at_start(c)
-        if allocated is not None and bound.get("kv_bytes"):
-            tokens, setting = allocated
-            need = c.size_bytes + bound["kv_bytes"] / bound["context_tokens"] * tokens
-            return need / MIB, (
-                f"weights + 16-bit KV cache of the {tokens:,} tokens its deploy command allocates at "
-                f"start ({setting}; a lower bound: the engine's compute buffers not counted)"
-            )
-        if bound.get("kv_bytes"):
-            need = c.size_bytes + bound["kv_bytes"] * s.concurrency
-            return need / MIB, (
-                f"weights + 16-bit KV cache of {s.concurrency} x {bound['context_tokens']} tokens "
-                "(a lower bound: the engine's own buffers not counted)"
-            )
-        return c.size_bytes / MIB, "weights' size (a lower bound: served on a GPU, no KV figure)"
+        need, basis = _gpu_need(c, bound, s)
+        if c.tp_size > 1:
+            return need / c.tp_size / MIB, f"per GPU, 1/{c.tp_size} of the {basis} (tp_size {c.tp_size})"
+        return need / MIB, basis
     levels = (c.serving or {}).get("levels") or {}
     peaks = [lv["peak_rss_mib"] for lv in levels.values() if lv.get("peak_rss_mib")]
     if peaks and c.device.startswith("cpu"):
@@ -166,6 +156,23 @@ def _memory(c: Candidate, env: str | None, s: Scenario) -> tuple[float, str]:
     if validate and c.device.startswith("cpu"):
         return max(validate), "peak RSS of its validation in this engine"
     return c.size_bytes / MIB, "weights' size (a lower bound: no serving memory measured)"
+
+
+def _gpu_need(c: Candidate, bound: dict[str, Any], s: Scenario) -> tuple[float, str]:
+    """Bytes a GPU-served artifact needs over all its GPUs, and what they count."""
+    allocated = _kv_allocated_at_start(c)
+    if allocated is not None and bound.get("kv_bytes"):
+        tokens, setting = allocated
+        return c.size_bytes + bound["kv_bytes"] / bound["context_tokens"] * tokens, (
+            f"weights + 16-bit KV cache of the {tokens:,} tokens its deploy command allocates at "
+            f"start ({setting}; a lower bound: the engine's compute buffers not counted)"
+        )
+    if bound.get("kv_bytes"):
+        return c.size_bytes + bound["kv_bytes"] * s.concurrency, (
+            f"weights + 16-bit KV cache of {s.concurrency} x {bound['context_tokens']} tokens "
+            "(a lower bound: the engine's own buffers not counted)"
+        )
+    return c.size_bytes, "weights' size (a lower bound: served on a GPU, no KV figure)"
 
 
 def _kv_allocated_at_start(c: Candidate) -> tuple[int, str] | None:

@@ -501,3 +501,20 @@ def test_a_gguf_served_on_a_gpu_needs_the_whole_kv_cache_its_command_allocates(t
     vllm = _h100_registry(tmp_path / "vllm", {"awq-gptqmodel": "2026-12-06-serving-run5-awq-gptqmodel"})
     [awq] = select(vllm, Scenario(gpu_arch="sm90", memory_gib=20))["ranked"]
     assert awq["memory_from"].startswith("weights + 16-bit KV cache of 1 x 640 tokens (a lower bound")
+
+
+def test_an_artifact_sharded_over_gpus_needs_its_share_on_each(tmp_path: Path) -> None:
+    """`--memory-gib` on a GPU host is each GPU's: the H100's Q4_0 record served at tp_size 2 needs
+    half its weights and fixed KV cache on each GPU, so a host of 12 GiB cards takes it where one
+    card needs ~22 GiB."""
+    reg = _h100_registry(tmp_path, {"gguf-q4_0": "2026-12-06-serving-gguf-q4_0"}, "qwen2-7b-serving-llama")
+    [whole] = select(reg, Scenario(gpu_arch="sm90"))["ranked"]
+    assert not select(reg, Scenario(gpu_arch="sm90", memory_gib=12))["ranked"]
+    for d in (reg.root / "qwen2-7b-serving-llama" / "gguf-q4_0", *reg.root.glob("*/.versions/gguf-q4_0/1")):
+        manifest = read_manifest(d)
+        manifest.serve.tp_size = 2
+        write_manifest(d, manifest)
+    reg.rebuild()
+    [half] = select(reg, Scenario(gpu_arch="sm90", gpus=2, memory_gib=12))["ranked"]
+    assert half["memory_mib"] == pytest.approx(whole["memory_mib"] / 2)
+    assert half["memory_from"] == f"per GPU, 1/2 of the {whole['memory_from']} (tp_size 2)"

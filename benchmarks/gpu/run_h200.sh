@@ -20,6 +20,7 @@
 #                                           ONE_WORKLOAD=1: the first workload only;
 #                                           ONLY_WORKLOAD=2048/256: that workload alone;
 #                                           CONCURRENCY="1, 128": those levels alone;
+#                                           LEVEL_CAP_S=120: each level's time cap (default 60 s);
 #                                           KV_UNIFIED=1: llama-server's slots share one KV cache),
 #                                           `settings` for one engine setting changed at a time
 #                                           (SETTINGS_ONLY="unified KV cache": those of bench_gpu.py's
@@ -235,6 +236,7 @@ case "${1:-}" in
         -e "${ONE_WORKLOAD:+s#more_workloads: \[[^]]*\]##}" \
         -e "${ONLY_WORKLOAD:+s#prompt_tokens: 512, output_tokens: 128#prompt_tokens: ${ONLY_WORKLOAD%/*}, output_tokens: ${ONLY_WORKLOAD#*/}#; s#more_workloads: \[[^]]*\]##}" \
         -e "${KV_UNIFIED:+$unified}" -e "${CONCURRENCY:+s#concurrency: \[1, 8, 32, 128\]#concurrency: [$CONCURRENCY]#}" \
+        -e "${LEVEL_CAP_S:+s#max_seconds_per_level: 60,#max_seconds_per_level: $LEVEL_CAP_S,#}" \
         "benchmarks/gpu/$r.yaml" \
         > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
     done
@@ -249,6 +251,9 @@ case "${1:-}" in
     fi
     if [ -n "${CONCURRENCY:-}" ] && ! grep -q "concurrency: \[$CONCURRENCY\]" "$WORK/qwen2-7b-serving.yaml"; then
       echo "CONCURRENCY=$CONCURRENCY: qwen2-7b-serving.yaml has no concurrency list to replace" >&2; exit 2
+    fi
+    if [ -n "${LEVEL_CAP_S:-}" ] && ! grep -q "max_seconds_per_level: $LEVEL_CAP_S," "$WORK/qwen2-7b-serving-llama.yaml"; then
+      echo "LEVEL_CAP_S=$LEVEL_CAP_S: qwen2-7b-serving-llama.yaml has no level cap to replace" >&2; exit 2
     fi
     if [ -n "${KV_UNIFIED:-}" ] && ! grep -q "kv_unified: true" "$WORK/qwen2-7b-serving-llama.yaml"; then
       echo "KV_UNIFIED=$KV_UNIFIED: qwen2-7b-serving-llama.yaml has no llamacpp setting to extend" >&2; exit 2

@@ -5,11 +5,15 @@
 #   benchmarks/gpu/run_h200.sh warm         first start + generation of vLLM and SGLang (fills the
 #                                           host's JIT caches, once; recorded as first-start rows)
 #   benchmarks/gpu/run_h200.sh smollm2 T R  the default recipe's targets T (default awq,gptq,gguf-q8_0),
-#                                           raw repeats of the step ops R (default all)
-#   benchmarks/gpu/run_h200.sh qwen2-7b T R 7B-shaped random checkpoint, targets T of
-#                                           benchmarks/gpu/qwen2-7b-shape.yaml (T=gguf: the Llama-declared one;
+#                                           raw repeats of the step ops R (default convert,quantize,validate)
+#   benchmarks/gpu/run_h200.sh qwen2-7b T R 7B-shaped random checkpoint, targets T (default
+#                                           modelopt-fp8) of benchmarks/gpu/qwen2-7b-shape.yaml, raw
+#                                           steps R (default convert,quantize,checkpoint,validate)
+#                                           (T=gguf: the Llama-declared one;
 #                                           GGUF_TARGETS: some of its three GGUF targets;
 #                                           SHAPE=qwen2.5-32b: the 32B shape, qwen2.5-32b-shape.yaml;
+#                                           SHAPE=llama2-70b: a Llama of that shape, llama2-70b-shape.yaml,
+#                                           over every GPU (tp_size 4);
 #                                           SERVING=1: the serving table, qwen2-7b-serving(-llama).yaml
 #                                           (SOURCE_ROW=first|last|0: where the bf16 source row runs),
 #                                           R=none: no raw side (the project's builds and benchmarks
@@ -26,11 +30,14 @@
 #                                           (SETTINGS_ONLY="unified KV cache": those of bench_gpu.py's
 #                                           SERVE_SETTINGS alone, no second run as recorded))
 #   benchmarks/gpu/run_h200.sh overhead     llama-server's decode against llama-batched-bench's on each
-#                                           GGUF built (OVERHEAD_ARGS: a llama-server argument more;
+#                                           GGUF a `SERVING=1 ... start gguf` run built (qwen2-7b-serving-llama;
+#                                           OVERHEAD_ARGS: a llama-server argument more;
 #                                           OVERHEAD_PARALLEL: default 1,8,32,128)
 #   benchmarks/gpu/run_h200.sh tests        pytest -m gpu (SGLANG=0: without the sglang environment;
 #                                           TESTS_K: only the tests a -k expression selects; TESTS:
-#                                           the node ids to run, in that order, default tests/)
+#                                           the node ids to run, in that order, default tests/; on a
+#                                           host of several GPUs one xdist worker per GPU, --dist load,
+#                                           so not in that order)
 #   benchmarks/gpu/run_h200.sh start T R [T2 R2]  in the background (setsid, outliving the call):
 #                                           the qwen2-7b mode with targets T and raw steps R, a second
 #                                           build stream with T2/R2 if given (other targets of the same
@@ -43,7 +50,7 @@
 #                                           have passed, then the tests' results so far and their log
 #                                           in $OUT (polling calls back to back end early when done)
 #   benchmarks/gpu/run_h200.sh end-earlier  end every process an earlier call left running (each mode
-#                                           but start/wait/collect does so itself first)
+#                                           but wait/diagnose/collect does so itself first)
 #   benchmarks/gpu/run_h200.sh diagnose     where a process start's time goes (driver, names, imports);
 #                                           no GPU memory touched: safe beside `start`'s runs
 #   benchmarks/gpu/run_h200.sh collect      what `start` has so far (logs, results) into
@@ -52,8 +59,9 @@
 #                                           the 8 files a call brings back; keep them under .whl/:
 #                                           carry.sh carries and joins them)
 # Artifacts and the accumulated results stay in /tmp/pipeline-work (outside the checkout, which each
-# call lays afresh). Each mode stops itself after LIMIT_S seconds (default 540) so that what it
-# measured still reaches $OUT inside the device's 600 s per call.
+# call lays afresh). Each building or measuring mode stops itself after LIMIT_S seconds (default
+# 540; start's background runs 7200) so that what it measured still reaches $OUT inside the device's
+# 600 s per call; wait stops after its S. OUT defaults to /tmp/pipeline-out (the device sets it).
 set -uo pipefail
 BG=/tmp/pipeline-bg
 TESTS_TMP=/tmp/pipeline-pytest  # the GPU tests' --basetemp (collect takes their manifests)
@@ -82,6 +90,7 @@ streams() {  # `start`'s build streams, in the background: targets $2 raw steps 
     OUT=$BG/build2 LIMIT_S=7200 STREAM=b setsid nohup benchmarks/gpu/run_h200.sh qwen2-7b "$4" "${5:-}" >"$BG/build2.log" 2>&1 </dev/null &
   fi
 }
+OUT=${OUT:-/tmp/pipeline-out}  # (the device sets it; wait, diagnose and collect write there too)
 case "${1:-}" in
   end-earlier)  # end every process an earlier call of this kit left running
     end_marked earlier; exit 0
@@ -178,7 +187,6 @@ PY
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader; exit 0
     ;;
 esac
-OUT=${OUT:-/tmp/pipeline-out}
 WORK=/tmp/pipeline-work
 LIMIT_S=${LIMIT_S:-540}
 mkdir -p "$OUT" "$WORK"
@@ -306,7 +314,7 @@ case "${1:-}" in
     timeout -k 10 "$LIMIT_S" python3 -m pytest -v -rfE -m gpu "${per_gpu[@]}" --basetemp="$TESTS_TMP" ${TESTS:-tests/} --durations=8 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
       | tee "$OUT/pytest-gpu.log" | tail -c 8000
     ;;
-  *) echo "usage: $0 warm|smollm2|qwen2-7b|overhead|tests" >&2; exit 2 ;;
+  *) echo "usage: $0 warm|smollm2|qwen2-7b|overhead|tests|start|wait|end-earlier|diagnose|collect" >&2; exit 2 ;;
 esac
 [ -f "$RESULTS" ] && cp "$RESULTS" "${RESULTS%.json}.md" "$OUT/"
 # manifests and logs (not the weights) come back as one archive

@@ -90,6 +90,9 @@ streams() {  # `start`'s build streams, in the background: targets $2 raw steps 
     OUT=$BG/build2 LIMIT_S=7200 STREAM=b setsid nohup benchmarks/gpu/run_h200.sh qwen2-7b "$4" "${5:-}" >"$BG/build2.log" 2>&1 </dev/null &
   fi
 }
+edited() {  # knob $1, when set, must have edited recipe $3 ($WORK/$3.yaml now holds pattern $2), else $4
+  [ -z "${!1:-}" ] || grep -q "$2" "$WORK/$3.yaml" || { echo "$1=${!1}: $3.yaml has $4" >&2; exit 2; }
+}
 OUT=${OUT:-/tmp/pipeline-out}  # (the device sets it; wait, diagnose and collect write there too)
 case "${1:-}" in
   end-earlier)  # end every process an earlier call of this kit left running
@@ -248,24 +251,16 @@ case "${1:-}" in
         "benchmarks/gpu/$r.yaml" \
         > "$WORK/$r.yaml.tmp" && mv "$WORK/$r.yaml.tmp" "$WORK/$r.yaml"
     done
-    if [ -n "${ENGINES:-}" ] && ! grep -q "engines: \[$ENGINES\]" "$WORK/qwen2-7b-serving.yaml"; then
-      echo "ENGINES=$ENGINES: qwen2-7b-serving.yaml has no 'engines: all' setting to replace" >&2; exit 2
-    fi
+    edited ENGINES "engines: \[${ENGINES:-}\]" qwen2-7b-serving "no 'engines: all' setting to replace"
     if [ -n "${ONLY_WORKLOAD:-}" ] && ! [[ $ONLY_WORKLOAD =~ ^[0-9]+/[0-9]+$ ]]; then
       echo "ONLY_WORKLOAD=$ONLY_WORKLOAD: expected PROMPT/OUTPUT tokens, e.g. 2048/256" >&2; exit 2
     fi
-    if [ -n "${ONLY_WORKLOAD:-}" ] && ! grep -q "prompt_tokens: ${ONLY_WORKLOAD%/*}, output_tokens: ${ONLY_WORKLOAD#*/}, concurrency" "$WORK/qwen2-7b-serving.yaml"; then
-      echo "ONLY_WORKLOAD=$ONLY_WORKLOAD: qwen2-7b-serving.yaml has no 512/128 workload to replace" >&2; exit 2
-    fi
-    if [ -n "${CONCURRENCY:-}" ] && ! grep -q "concurrency: \[$CONCURRENCY\]" "$WORK/qwen2-7b-serving.yaml"; then
-      echo "CONCURRENCY=$CONCURRENCY: qwen2-7b-serving.yaml has no concurrency list to replace" >&2; exit 2
-    fi
-    if [ -n "${LEVEL_CAP_S:-}" ] && ! grep -q "max_seconds_per_level: $LEVEL_CAP_S," "$WORK/qwen2-7b-serving-llama.yaml"; then
-      echo "LEVEL_CAP_S=$LEVEL_CAP_S: qwen2-7b-serving-llama.yaml has no level cap to replace" >&2; exit 2
-    fi
-    if [ -n "${KV_UNIFIED:-}" ] && ! grep -q "kv_unified: true" "$WORK/qwen2-7b-serving-llama.yaml"; then
-      echo "KV_UNIFIED=$KV_UNIFIED: qwen2-7b-serving-llama.yaml has no llamacpp setting to extend" >&2; exit 2
-    fi
+    w=${ONLY_WORKLOAD:-}  # (set -u: expanded whether the knob is set or not)
+    edited ONLY_WORKLOAD "prompt_tokens: ${w%/*}, output_tokens: ${w#*/}, concurrency" qwen2-7b-serving \
+      "no 512/128 workload to replace"
+    edited CONCURRENCY "concurrency: \[${CONCURRENCY:-}\]" qwen2-7b-serving "no concurrency list to replace"
+    edited LEVEL_CAP_S "max_seconds_per_level: ${LEVEL_CAP_S:-}," qwen2-7b-serving-llama "no level cap to replace"
+    edited KV_UNIFIED "kv_unified: true" qwen2-7b-serving-llama "no llamacpp setting to extend"
     flock -u 9
     recipe=$WORK/$shape-shape.yaml targets=${2:-modelopt-fp8}
     [ "$arch" = llama ] && [ "$shape" = qwen2-7b ] && recipe=$WORK/qwen2-7b-shape-llama.yaml \

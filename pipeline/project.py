@@ -299,9 +299,9 @@ class Project:
         if self.loaded.recipe.serving_benchmark.benchmarks(name) and environment_exists(ENV_GUIDELLM):
             toolchain[ENV_GUIDELLM] = ctx.versions(ENV_GUIDELLM)  # the load generator's numbers
         serve_command = spec.serve_command(ctx.serve(name))
-        files = bytes_sha256(ctx, name, spec, toolchain)  # read once: it hashes a calibration text
-        inputs = inputs_sha256(ctx, name, spec, toolchain, serve_command, files)
-        return TargetInputs(toolchain, serve_command, inputs, files)
+        files_sha256 = bytes_sha256(ctx, name, spec, toolchain)  # once: it hashes a calibration text
+        inputs = inputs_sha256(ctx, name, spec, toolchain, serve_command, files_sha256)
+        return TargetInputs(toolchain, serve_command, inputs, files_sha256)
 
     def make_artifact(
         self,
@@ -437,11 +437,17 @@ class Project:
 
 
 def inputs_sha256(
-    ctx: BuildContext, name: str, spec: Target, toolchain: dict[str, Any], serve_command: str, files: str
+    ctx: BuildContext,
+    name: str,
+    spec: Target,
+    toolchain: dict[str, Any],
+    serve_command: str,
+    files_sha256: str,
 ) -> str:
     """Everything that decides an artifact's bytes and its validation numbers: what decides the
-    files (`files`, its bytes_sha256), the gates, the reference's inputs, the serve commands, the serving
-    benchmark and every recorded environment's versions (the load generator's too)."""
+    files (`files_sha256`, its bytes_sha256), the gates, the reference's inputs, the serve
+    commands, the serving benchmark and every recorded environment's versions (the load
+    generator's too)."""
     r = ctx.loaded.recipe
     bench = r.serving_benchmark
     benchmarked = bench.hashed() if bench.benchmarks(name) else None
@@ -455,7 +461,7 @@ def inputs_sha256(
             # the spec without its gates, the source, the calibration and its text's contents, the
             # tensor-parallel split (before 2026-12-06 a calibration file edited in place, with
             # nothing else moved, left the target up to date)
-            "bytes": files,
+            "bytes": files_sha256,
             "gates": spec.gates.model_dump(),
             "reference": ctx.reference_inputs(),
             "serve": serve_command,  # carries the recipe's serving knobs this target uses

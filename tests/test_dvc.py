@@ -144,7 +144,7 @@ def _unlisted_local_inputs(project: Path) -> list[str]:
                 if not ref or ref.startswith(("builtin:", HF_PREFIX)):
                     continue
                 path = where(ref).resolve()
-                if not any(path == d or path.is_relative_to(d) for d in deps):
+                if not any(path.is_relative_to(d) for d in deps):  # the dep itself or a dir above it
                     problems.append(f"{stage.name}: {key} {ref!r} is not among its deps")
     return problems
 

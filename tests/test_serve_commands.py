@@ -315,8 +315,9 @@ def test_another_engine_s_deploy_command_is_part_of_the_inputs(tmp_path: Path) -
         got: dict[str, str] = {}
         for name, spec in project.select(None).items():
             toolchain = {env: {} for env in spec.recorded_environments()}
-            files = bytes_sha256(ctx, name, spec, toolchain)
-            got[name] = inputs_sha256(ctx, name, spec, toolchain, spec.serve_command(ctx.serve(name)), files)
+            files_sha256 = bytes_sha256(ctx, name, spec, toolchain)
+            serve_command = spec.serve_command(ctx.serve(name))
+            got[name] = inputs_sha256(ctx, name, spec, toolchain, serve_command, files_sha256)
         return got
 
     before, after = hashes(0.8), hashes(0.7)

@@ -8,7 +8,8 @@ through its own deploy command, its ratio to the engine called directly with its
 target), TTFT and ITL at one stream, the share of its bandwidth bound, the KV cache its server
 allocated at the reservation it was given. Rows come from `bench_gpu.py run` and `serve-source`;
 for each card and workload the latest file that served an artifact wins (files ordered by date,
-then run number), a workload that failed leaving an earlier row standing; under each card, a
+then run number), a workload that failed, or a later run of only some of its levels (`CONCURRENCY`),
+leaving an earlier row standing (the later run's ratios are named beside it); under each card, a
 served artifact missing one of the two workloads, measured over a fixed window only or without a
 project / raw ratio is listed with its gaps.
 An engine setting tried beside a command (`settings`) is a row of its own. An artifact no file
@@ -78,7 +79,9 @@ def _mark(level: dict[str, Any]) -> str:
 def _ratio_range(levels: dict[str, Any]) -> str | None:
     """The range of a workload's project / raw ratios over its levels (None: none measured)."""
     ratios = [lv["ratio"] for lv in levels.values() if isinstance(lv.get("ratio"), int | float)]
-    return f"{min(ratios):.3f}–{max(ratios):.3f}" if ratios else None
+    if not ratios:
+        return None
+    return f"{min(ratios):.3f}" if min(ratios) == max(ratios) else f"{min(ratios):.3f}–{max(ratios):.3f}"
 
 
 def _shape(load: dict[str, Any]) -> str:
@@ -206,7 +209,9 @@ def table(files: list[Path]) -> str:
                     attempts.setdefault(card, {})[key] = f"{path.name}: {_shape(run['workload'])}: {why}"
                     continue
                 shape = _shape(run["workload"])
-                cards.setdefault(card, {}).setdefault(key, {})[shape] = (path, serving, run)
+                runs = cards.setdefault(card, {}).setdefault(key, {})
+                if shape not in runs or not set(run["levels"]) < set(runs[shape][2]["levels"]):
+                    runs[shape] = (path, serving, run)  # a later run of fewer levels leaves the row
                 if ratios := _ratio_range(run["levels"]):
                     with_raw.setdefault(card, {})[(*key, shape)] = (path.name, ratios)
     out = [
@@ -215,7 +220,8 @@ def table(files: list[Path]) -> str:
         "Written by `benchmarks/serving_table.py` from the GPU kit's results files; do not edit by hand.",
         "Output tokens/s per concurrency level through each artifact's own deploy command; `w` marks a",
         "level measured over a fixed 15 s window (before levels ran whole waves: not comparable), `cut` one",
-        "whose 60 s cap ended it with requests unfinished. Project / raw: the range over the levels of the",
+        "whose time cap (60 s a level; 120 s in the 2026-12-07 GGUF runs) ended it with requests",
+        "unfinished (its tokens/s counts the finished ones). Project / raw: the range over the levels of the",
         "deploy command's tokens/s over the engine called directly with its defaults, same checkpoint,",
         "same lease. Share of bound: tokens/s at one stream over the memory-bandwidth bound (weights as",
         "stored plus 16-bit KV at the context, the card's spec bandwidth); below 30 % is flagged.",

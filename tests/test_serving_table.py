@@ -64,7 +64,7 @@ def test_the_latest_run_of_a_card_wins_and_marks_what_a_cap_cut(tmp_path: Path) 
     assert "25% of 800 (flagged)" in gptq[0]
     assert text.index("## H100") < text.index("## H200")
     fp8 = next(line for line in text.splitlines() if line.startswith("| FP8 (ModelOpt)"))
-    assert "| 0.900–0.900 |" in fp8
+    assert "| 0.900 |" in fp8  # one ratio, every level: shown once
 
 
 def test_an_artifact_no_card_served_names_its_reason(tmp_path: Path) -> None:
@@ -135,7 +135,7 @@ def test_a_later_run_without_its_raw_side_shows_the_last_measured_ratio_and_wher
     later = _write(tmp_path / "h100-2026-12-05-serving-run2.json", [later_row])
     text = serving_table.table([first, later])
     gptq = next(line for line in text.splitlines() if line.startswith("| GPTQ"))
-    assert "| 200.0 |" in gptq and "| raw not run; 0.990–0.990 in h100-2026-12-05-serving.json |" in gptq
+    assert "| 200.0 |" in gptq and "| raw not run; 0.990 in h100-2026-12-05-serving.json |" in gptq
 
 
 def test_a_sweep_of_a_run_that_did_not_serve_the_artifact_again_is_shown(tmp_path: Path) -> None:
@@ -164,6 +164,26 @@ def test_a_later_run_of_one_workload_leaves_the_other_workloads_row_standing(tmp
     assert len(awq) == 2
     assert "| 512/128 | 200.0 |" in awq[0] and awq[0].endswith("| h100-2026-12-06-serving-run3.json |")
     assert "| 2048/256 | 50.0 |" in awq[1] and awq[1].endswith("| h100-2026-12-05-serving.json |")
+
+
+def test_a_later_run_of_fewer_levels_leaves_the_fuller_row_and_lends_its_ratio(tmp_path: Path) -> None:
+    """CONCURRENCY="1, 128" on a later run (the raw side of one artifact): the earlier run of all four
+    levels keeps the row; the later run's ratio is named beside it. A later run of every level wins."""
+    ours_alone = _row("gptq", "H100", 100.0, ratio=None)
+    ours_alone["serving"] |= {"raw_status": "not run", "raw_reason": "R=none"}
+    first = _write(tmp_path / "h100-2026-12-07-serving.json", [ours_alone])
+    fewer = _row("gptq", "H100", 110.0, ratio=1.04)
+    levels = fewer["serving"]["workloads"][0]["levels"]
+    fewer["serving"]["workloads"][0]["levels"] = {c: levels[c] for c in ("1", "128")}
+    later = _write(tmp_path / "h100-2026-12-07-serving-run2.json", [fewer])
+    text = serving_table.table([first, later])
+    gptq = next(line for line in text.splitlines() if line.startswith("| GPTQ"))
+    assert "| 100.0 | 800.0 | 3,200.0 | 12,800.0 |" in gptq
+    assert "| raw not run; 1.040 in h100-2026-12-07-serving-run2.json |" in gptq
+    assert gptq.endswith("| h100-2026-12-07-serving.json |")
+    full = _write(tmp_path / "h100-2026-12-07-serving-run3.json", [_row("gptq", "H100", 120.0)])
+    gptq = next(line for line in serving_table.table([first, later, full]).splitlines() if "| GPTQ" in line)
+    assert "| 120.0 |" in gptq and gptq.endswith("| h100-2026-12-07-serving-run3.json |")
 
 
 def test_a_served_artifact_missing_a_workload_or_its_ratio_is_listed_with_its_card_s_gaps(

@@ -127,6 +127,12 @@ case "${1:-}" in
     mkdir -p "$OUT" && cp "$BG/tests/pytest-gpu.log" "$OUT/" 2>/dev/null
     grep -hE "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$BG/tests/pytest-gpu.log" 2>/dev/null | tail -n 12
     tail -n 6 "$BG/build.log" 2>/dev/null
+    # build.log holds a target's lines only once it ends: the step log written last says where a
+    # build is (2026-12-07: two waits showed nothing but the shape's lines), and the disk how full
+    # (a changed recipe rebuilds; a quantize on a full disk fails)
+    step=$(ls -t /tmp/pipeline-work/artifacts/*/.logs/*.log 2>/dev/null | head -n 1)
+    [ -n "$step" ] && echo "newest step log: $step" && tail -n 2 "$step" | cut -c 1-300
+    df -h /tmp | tail -n 1
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader; exit 0
     ;;
   diagnose)  # where a process start's time goes on this host (2026-12-04: a vLLM worker spent 26 s

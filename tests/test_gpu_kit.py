@@ -388,6 +388,29 @@ def test_a_raw_serving_step_may_name_its_engine() -> None:
     assert run.returncode == 2 and "no engine 'sglnag'" in run.stderr
 
 
+def test_a_serving_only_run_builds_without_force_and_keeps_an_up_to_date_artifact(tmp_path: Path) -> None:
+    """Build steps compared with the raw tools: every file made anew (`--force`). A serving-only run
+    (`none`, `serve`, `settings`) builds as a build server does, so a changed CONCURRENCY keeps the
+    verified files (2026-12-07 it quantized Q4_0 again; IQ4_XS takes ~127 s); an up-to-date
+    artifact's manifest stands, one a failed build left behind does not."""
+    import benchmarks.bench_gpu as bench
+
+    recipe = Path("r.yaml")
+    assert bench.build_argv(recipe, "gguf-q4_0", ["quantize", "serve"])[-1] == "--force"
+    for serving_only in ([], ["serve:llama.cpp"], ["settings:vllm", "serve"]):
+        assert "--force" not in bench.build_argv(recipe, "gguf-q4_0", serving_only)
+    manifest = tmp_path / "manifest.json"
+    forced, kept = bench.build_argv(recipe, "t", ["quantize"]), bench.build_argv(recipe, "t", ["serve"])
+    assert not bench.this_builds_manifest(manifest, 0.0, kept, 0)  # none at all
+    manifest.write_text("{}")
+    written = manifest.stat().st_mtime
+    assert bench.this_builds_manifest(manifest, written - 1, forced, 7)  # its own (a failed verdict)
+    later = written + 1  # a manifest from before this build began
+    assert bench.this_builds_manifest(manifest, later, kept, 0)  # up to date
+    assert not bench.this_builds_manifest(manifest, later, kept, 5)  # the build failed
+    assert not bench.this_builds_manifest(manifest, later, forced, 0)
+
+
 def test_a_run_the_lease_ended_gets_its_project_side_and_a_raw_side_not_run(tmp_path: Path) -> None:
     """`close`: a benchmarked engine's row takes the project's levels from the collected manifest
     and no ratio; an engine whose benchmark did not pass keeps its record; another target's row and

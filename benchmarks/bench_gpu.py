@@ -573,8 +573,9 @@ def raw_serving(project: Project, engine: str, model_dir: Path, log: Path) -> di
 
 
 LEVEL_KEYS = (
-    "output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "peak_gpu_mib",
-    "peak_rss_mib", "others_cpu_share", "output_tokens_mean", "planned", "incomplete", "completed", "errored",
+    "output_tokens_per_s", "streamed_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99",
+    "peak_gpu_mib", "peak_rss_mib", "others_cpu_share", "output_tokens_mean", "planned", "incomplete",
+    "completed", "errored",
 )  # fmt: skip
 
 
@@ -590,9 +591,19 @@ def _ratio(got: dict[str, Any] | None, base: dict[str, Any] | None) -> float | N
     return round(tps / base_tps, 3) if tps and base_tps else None
 
 
+def _streamed_ratio(got: dict[str, Any], base: dict[str, Any]) -> float | None:
+    """Where a time cap cut either side of a level: the tokens each server streamed inside the
+    same cap, over each other (None where neither was cut, or either has no such figure)."""
+    if not (got.get("incomplete") or base.get("incomplete")):
+        return None
+    tps, base_tps = got.get("streamed_tokens_per_s"), base.get("streamed_tokens_per_s")
+    return round(tps / base_tps, 3) if tps and base_tps else None
+
+
 def paired_levels(ours: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
     """Each level through the project's command beside the engine's own, and their tokens/s ratio
-    (none where a time cap cut either side)."""
+    (none where a time cap cut either side: there `streamed_ratio`, of what each streamed inside
+    the cap)."""
     levels = {}
     for c, level in ours.items():
         other = raw.get(c) or {}
@@ -600,6 +611,7 @@ def paired_levels(ours: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
             "project": {k: level.get(k) for k in LEVEL_KEYS},
             "raw": {k: other.get(k) for k in LEVEL_KEYS},
             "ratio": _ratio(level, other),
+            "streamed_ratio": _streamed_ratio(level, other),
         }
     return levels
 
@@ -968,7 +980,7 @@ def serving_markdown(rows: list[dict[str, Any]], num: Any) -> str:
                 lines.append(
                     f"| {r['target']} | {r.get('engine', '–')} | {shape} | {c} | "
                     f"{num(tps, '.1f')}{_cut(ours)} | {num(raw_tps, '.1f')}{_cut(raw)} | "
-                    f"{num(level.get('ratio'), '.3f')} | "
+                    f"{num(level.get('ratio'), '.3f')}{_streamed(level.get('streamed_ratio'))} | "
                     f"{num(shown.get('ttft_ms_p50'), '.0f')} / {num(shown.get('ttft_ms_p99'), '.0f')} | "
                     f"{num(shown.get('itl_ms_p50'), '.2f')} / {num(shown.get('itl_ms_p99'), '.2f')} | "
                     f"{num(shown.get('peak_gpu_mib'), ',.0f')} | {share} |"
@@ -990,12 +1002,19 @@ def serving_markdown(rows: list[dict[str, Any]], num: Any) -> str:
     return table
 
 
+def _streamed(ratio: float | None) -> str:
+    """A cut level's ratio of what each side streamed inside the cap (its finished-only ratio is none)."""
+    return f" (streamed {ratio:.3f})" if ratio is not None else ""
+
+
 def _cut(level: dict[str, Any] | None) -> str:
     """A mark for a level its time cap cut: unfinished requests are not counted, the window is."""
     if not level or not level.get("incomplete"):
         return ""
     finished = (level.get("completed") or 0) + (level.get("errored") or 0)
-    return f" (cut: {finished} of {level.get('planned') or '?'} finished)"
+    streamed = level.get("streamed_tokens_per_s")  # none before 2026-12-07
+    more = f", {streamed:.1f} streamed" if isinstance(streamed, int | float) else ""
+    return f" (cut: {finished} of {level.get('planned') or '?'} finished{more})"
 
 
 KERNEL_LINE = re.compile(

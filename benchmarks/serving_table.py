@@ -76,12 +76,26 @@ def _mark(level: dict[str, Any]) -> str:
     return " cut" if level.get("incomplete") else ""
 
 
-def _ratio_range(levels: dict[str, Any]) -> str | None:
-    """The range of a workload's project / raw ratios over its levels (None: none measured)."""
-    ratios = [lv["ratio"] for lv in levels.values() if isinstance(lv.get("ratio"), int | float)]
+def _range(ratios: list[float]) -> str | None:
     if not ratios:
         return None
     return f"{min(ratios):.3f}" if min(ratios) == max(ratios) else f"{min(ratios):.3f}–{max(ratios):.3f}"
+
+
+def _ratio_range(levels: dict[str, Any]) -> str | None:
+    """The range of a workload's project / raw ratios over its levels (None: none measured); then,
+    where a cap cut a level, the range of what each side streamed inside it, named as such."""
+    ratios = _range([lv["ratio"] for lv in levels.values() if isinstance(lv.get("ratio"), int | float)])
+    cut = _range([r for lv in levels.values() if isinstance(r := lv.get("streamed_ratio"), int | float)])
+    if cut is None:
+        return ratios
+    return f"{ratios or '–'}; cut, streamed: {cut}"
+
+
+def _streamed(level: dict[str, Any]) -> str:
+    """A cut level's tokens/s streamed inside its cap, finished requests or not (2026-12-07 on)."""
+    streamed = level.get("streamed_tokens_per_s")
+    return f" (streamed {streamed:,.1f})" if level.get("incomplete") and streamed is not None else ""
 
 
 def _shape(load: dict[str, Any]) -> str:
@@ -113,7 +127,8 @@ def workload_line(
     for c in LEVELS:
         level = levels.get(c)
         ours = _ours(level or {})
-        rates.append(_num(ours.get("output_tokens_per_s"), ",.1f") + _mark(ours) if level else "–")
+        tps = _num(ours.get("output_tokens_per_s"), ",.1f")
+        rates.append(tps + _mark(ours) + _streamed(ours) if level else "–")
     ratio = _ratio_range(levels) or "–"
     if ratio == "–" and serving.get("raw_status") not in (None, "passed"):  # `close`: the lease ended
         ratio = f"raw {serving['raw_status']}"

@@ -279,8 +279,8 @@ CONTENDED_SHARE = 0.25
 # `serving_c<concurrency>_<metric>`, a further workload's `serving_<prompt>x<output>_c<concurrency>_<metric>`;
 # another engine than the primary one (`engines: all`) under `serving_<engine>_` (serving_metrics_head).
 SERVING_METRICS = (
-    "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s", "peak_rss_mib",
-    "peak_gpu_mib", "others_cpu_share", "incomplete",
+    "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "output_tokens_per_s", "streamed_tokens_per_s",
+    "peak_rss_mib", "peak_gpu_mib", "others_cpu_share", "incomplete",
 )  # fmt: skip
 
 

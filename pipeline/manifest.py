@@ -141,7 +141,10 @@ class ServingLevel(_Model):
     ttft_ms_p99: float | None = None
     itl_ms_p50: float | None = None
     itl_ms_p99: float | None = None
-    output_tokens_per_s: float | None = None
+    output_tokens_per_s: float | None = None  # finished requests' tokens over the level's window
+    # every request's tokens streamed inside the window, those a cap cut included (None: recorded
+    # before 2026-12-07); the same as output_tokens_per_s where nothing was cut or errored
+    streamed_tokens_per_s: float | None = None
     requests_per_s: float | None = None
     output_tokens_mean: float | None = None  # per successful request (the workload fixes it)
     peak_rss_mib: float | None = None  # the server's process group

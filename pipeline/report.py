@@ -40,6 +40,7 @@ class ServingPoint:
     itl_ms_p50: float | None = None
     itl_ms_p99: float | None = None
     output_tokens_per_s: float | None = None
+    streamed_tokens_per_s: float | None = None  # a cut level's cut requests' tokens included
     peak_rss_mib: float | None = None
     peak_gpu_mib: float | None = None  # device-wide: an engine's reservation shows here
     others_cpu_share: float | None = None  # other processes' share of the host's CPUs meanwhile
@@ -230,14 +231,16 @@ def _contended(others_cpu_share: float | None) -> str:
     return f' <span class="contended" title="{title}">contended</span>'
 
 
-def _cut(incomplete: int | None) -> str:
-    """A mark for a level its time cap ended with requests unfinished (not counted in its tokens/s)."""
+def _cut(incomplete: int | None, streamed: float | None = None) -> str:
+    """A mark for a level its time cap ended with requests unfinished (not counted in its tokens/s),
+    with what the server streamed inside the window, those requests included, where recorded."""
     if not incomplete:
         return ""
     title = (
         f"the time cap cancelled {incomplete} requests in flight: finished ones only, over the whole window"
     )
-    return f' <span class="contended" title="{title}">cut</span>'
+    mark = f' <span class="contended" title="{title}">cut</span>'
+    return mark + (f" (streamed {streamed:.1f})" if streamed is not None else "")
 
 
 def _table(rows: list[ReportRow]) -> str:
@@ -279,7 +282,8 @@ def _levels_table(rows: list[ReportRow]) -> str:
                 _cell(p.concurrency),
                 f"{_cell(p.ttft_ms_p50, '.0f')} / {_cell(p.ttft_ms_p99, '.0f')}",
                 f"{_cell(p.itl_ms_p50, '.1f')} / {_cell(p.itl_ms_p99, '.1f')}",
-                _cell(p.output_tokens_per_s, ".1f") + _contended(p.others_cpu_share) + _cut(p.incomplete),
+                _cell(p.output_tokens_per_s, ".1f") + _contended(p.others_cpu_share)
+                + _cut(p.incomplete, p.streamed_tokens_per_s),
                 _cell(p.peak_gpu_mib, ",.0f"), _cell(p.peak_rss_mib, ",.0f"),
             )  # fmt: skip
             body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")

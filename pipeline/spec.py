@@ -267,7 +267,8 @@ class ServingBenchmarkSpec(Strict):
     waves (`level_requests`). `max_seconds_per_level` only caps a level: one it cuts records its
     unfinished requests (`incomplete`), and its tokens/s counts finished requests over the whole
     window (on the H200, 2026-12-05, a 15 s window at 2048/256 tokens gave the same numbers, whole
-    waves over 15 s, for every artifact).
+    waves over 15 s, for every artifact); `streamed_tokens_per_s` counts every token the server
+    streamed inside it, the cut requests' too.
     """
 
     enabled: bool = False

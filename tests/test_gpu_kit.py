@@ -161,20 +161,29 @@ def test_the_source_row_gets_the_bound_its_artifacts_get(tmp_path: Path) -> None
 
 def test_a_level_its_time_cap_cut_gets_no_ratio_and_is_marked() -> None:
     """A cut level counts finished requests over the whole window (2026-12-05: every artifact's
-    2048/256 levels read 128 x 256 tokens / 15 s): no ratio, and the table says how many were cut."""
+    2048/256 levels read 128 x 256 tokens / 15 s): no ratio, and the table says how many were cut.
+    Where both sides recorded what they streamed inside the cap (2026-12-07 on), that ratio is
+    given instead, named as such; a level neither side cut has none."""
     import benchmarks.bench_gpu as bench
 
-    whole = {"output_tokens_per_s": 6690.0, "planned": 512, "incomplete": 0}
+    whole = {"output_tokens_per_s": 6690.0, "planned": 512, "incomplete": 0, "streamed_tokens_per_s": 6690.0}
     cut = {"output_tokens_per_s": 2184.5, "planned": 512, "incomplete": 128, "completed": 128, "errored": 0}
     before = {**whole, "incomplete": None}  # a manifest from before the field
     levels = bench.paired_levels({"128": whole, "32": whole}, {"128": cut, "32": before})
     assert levels["32"]["ratio"] == 1.0 and levels["128"]["ratio"] is None
     assert levels["128"]["raw"]["incomplete"] == 128
+    assert levels["128"]["streamed_ratio"] is None and levels["32"]["streamed_ratio"] is None  # none / uncut
     rows = [{"target": "gptq", "engine": "vllm", "serving": {"status": "passed", "workloads": [
         {"workload": {"prompt_tokens": 2048, "output_tokens": 256}, "levels": levels}]}}]  # fmt: skip
     text = bench.serving_markdown(rows, lambda v, f: format(v, f) if v is not None else "–")
     assert "| 128 | 6690.0 | 2184.5 (cut: 128 of 512 finished) | – |" in text
     assert "| 32 | 6690.0 | 6690.0 | 1.000 |" in text
+    streamed = {**cut, "streamed_tokens_per_s": 4460.0}
+    levels = bench.paired_levels({"128": whole}, {"128": streamed})
+    assert levels["128"]["ratio"] is None and levels["128"]["streamed_ratio"] == 1.5
+    rows[0]["serving"]["workloads"][0]["levels"] = levels
+    text = bench.serving_markdown(rows, lambda v, f: format(v, f) if v is not None else "–")
+    assert "| 2184.5 (cut: 128 of 512 finished, 4460.0 streamed) | – (streamed 1.500) |" in text
 
 
 def test_the_serving_and_settings_tables_show_every_workload_and_each_setting_s_outcome() -> None:

@@ -167,6 +167,7 @@ def test_every_serving_level_is_a_row_with_its_percentiles_and_peak_memory() -> 
     record |= {"serving_device": "NVIDIA H200", "serving_c1_ttft_ms_p50": 18.0, "serving_c1_itl_ms_p50": 3.75,
                "serving_c1_peak_gpu_mib": 126_500.0, "serving_workload": "512/128",
                "serving_2048x256_c8_output_tokens_per_s": 990.0, "serving_2048x256_c8_incomplete": 8,
+               "serving_2048x256_c8_streamed_tokens_per_s": 1210.0,
                "serving_2048x256_c1_output_tokens_per_s": 190.0, "serving_2048x256_c1_incomplete": 0,
                "serving_10000x16_c1_output_tokens_per_s": 50.0}  # fmt: skip
     row = ReportRow.from_metrics(record)
@@ -178,7 +179,7 @@ def test_every_serving_level_is_a_row_with_its_percentiles_and_peak_memory() -> 
     assert (  # the level its time cap cut says so beside its tokens/s
         len(rows) == 5 and "<td>2048/256</td><td>8</td><td>– / –</td><td>– / –</td><td>990.0 <span" in rows[3]
     )
-    assert ">cut</span>" in rows[3] and "cut" not in rows[2]
+    assert ">cut</span> (streamed 1210.0)" in rows[3] and "cut" not in rows[2]
     assert (
         "<td>NVIDIA H200</td><td>512/128</td><td>1</td><td>18 / 31</td><td>3.8 / 20.0</td><td>210.0</td>"
         "<td>126,500</td><td>400</td>" in rows[0]

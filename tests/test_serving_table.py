@@ -186,6 +186,20 @@ def test_a_later_run_of_fewer_levels_leaves_the_fuller_row_and_lends_its_ratio(t
     assert "| 120.0 |" in gptq and gptq.endswith("| h100-2026-12-07-serving-run3.json |")
 
 
+def test_a_cut_level_shows_what_it_streamed_and_that_ratio(tmp_path: Path) -> None:
+    """From 2026-12-07 a level records what the server streamed inside its window, cut requests
+    included: a cut level shows it beside its finished-only tokens/s, and its ratio of streamed
+    tokens joins the ratio column, named as such (its finished-only ratio is none)."""
+    row = _row("gguf-q4_0", "H100", 100.0)
+    row["engine"] = "llama.cpp"
+    levels = row["serving"]["workloads"][0]["levels"]
+    levels["128"]["project"] |= {"incomplete": 128, "streamed_tokens_per_s": 700.0}
+    levels["128"] |= {"ratio": None, "streamed_ratio": 1.55}
+    text = serving_table.table([_write(tmp_path / "h100-2026-12-07-serving.json", [row])])
+    q4 = next(line for line in text.splitlines() if line.startswith("| GGUF Q4_0"))
+    assert "| 12,800.0 cut (streamed 700.0) | 1.000; cut, streamed: 1.550 |" in q4
+
+
 def test_a_served_artifact_missing_a_workload_or_its_ratio_is_listed_with_its_card_s_gaps(
     tmp_path: Path,
 ) -> None:

@@ -583,6 +583,8 @@ def _guidellm_level(streams: int, successful: int, errored: int, incomplete: int
     reports zeros for its successful requests' distributions)."""
     done = 1.0 if successful else 0.0
     dist = {"successful": {"mean": 40.0 * done, "percentiles": {"p50": 30.0 * done, "p99": 90.0 * done}}}
+    # the tokens each status streamed over the window: the cut requests' too, the errored ones' too
+    rates = {**dist, "incomplete": {"mean": 25.0 if incomplete else 0.0}, "errored": {"mean": 3.0 * errored}}
     return {
         "config": {"strategy": {"streams": streams}},
         "start_time": time.time() - 2,
@@ -591,7 +593,7 @@ def _guidellm_level(streams: int, successful: int, errored: int, incomplete: int
             "request_totals": {"successful": successful, "errored": errored, "incomplete": incomplete},
             "time_to_first_token_ms": dist,
             "inter_token_latency_ms": dist,
-            "output_tokens_per_second": dist,
+            "output_tokens_per_second": rates,
             "output_token_count": dist,
             "requests_per_second": dist,
         },
@@ -633,3 +635,5 @@ def test_a_level_cut_before_any_request_finished_is_recorded_and_an_errored_one_
     assert one["completed"] == 32 and one["ttft_ms_p99"] == 90.0 and one["output_tokens_per_s"] == 40.0
     assert cut["completed"] == 0 and cut["incomplete"] + cut["errored"] == 128 and cut["planned"] == 512
     assert cut["output_tokens_per_s"] == 0.0 and cut["ttft_ms_p99"] is None and cut["itl_ms_p50"] is None
+    # what the server streamed to the requests the cap cut counts; the errored ones' does not
+    assert one["streamed_tokens_per_s"] == 40.0 and cut["streamed_tokens_per_s"] == 25.0

@@ -212,6 +212,15 @@ def guidellm_argv(
     ]  # fmt: skip
 
 
+def streamed_tokens_per_s(rates: dict[str, Any]) -> float:
+    """The finished and the cut requests' output tokens over a level's window, from GuideLLM's
+    output_tokens_per_second (each status's mean is its tokens over the same window; errored
+    requests' are left out, as in output_tokens_per_s). Checked on llama-server (2026-12-07, SmolLM2
+    Q4_0, 4 streams of 256-token prompts cut at 6 s): its log's cancelled tasks held 1,257 tokens,
+    233 past the prompts; GuideLLM counted 231 streamed, 226 of them inside the window."""
+    return sum((rates.get(status) or {}).get("mean") or 0.0 for status in ("successful", "incomplete"))
+
+
 def parse_report(
     report: dict[str, Any], counts: list[int]
 ) -> list[tuple[dict[str, Any], tuple[float, float]]]:
@@ -239,6 +248,10 @@ def parse_report(
             "itl_ms_p99": pct("inter_token_latency_ms", "p99"),
             # `successful`, not `total`: total counts errored requests as served ones
             "output_tokens_per_s": m["output_tokens_per_second"]["successful"]["mean"],
+            # what the server streamed inside the window, the requests a time cap cut included
+            # (GuideLLM places each streamed token at its arrival; a rate's mean is the tokens over
+            # the window): a cut level's production, where output_tokens_per_s counts finished ones
+            "streamed_tokens_per_s": streamed_tokens_per_s(m["output_tokens_per_second"]),
             # the answers' length: the workload's output_tokens when the server honoured ignore_eos
             # and no answer was cut short (an interrupted stream ends early and counts fewer)
             "output_tokens_mean": m["output_token_count"]["successful"]["mean"],

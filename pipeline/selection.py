@@ -332,9 +332,15 @@ def _reasons(c: Candidate, s: Scenario) -> list[str]:
             )
         if level.get("incomplete"):
             finished = level["completed"] + level["errored"]
+            streamed = level.get("streamed_tokens_per_s")  # recorded from 2026-12-07
+            inside = (
+                f" (the server streamed {streamed:.1f} tokens/s inside it, cut requests included)"
+                if streamed is not None
+                else ""
+            )
             reasons.append(
                 f"CUT: the level's time cap ended it with {finished} of {level.get('planned') or '?'} "
-                "requests finished; its tokens/s counts only those over the whole window (raise "
+                f"requests finished; its tokens/s counts only those over the whole window{inside} (raise "
                 "serving_benchmark.max_seconds_per_level and rebuild); ranked after every whole level"
             )
     return reasons

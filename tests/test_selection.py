@@ -192,7 +192,9 @@ def test_a_level_its_time_cap_cut_is_named_in_the_reasons(tmp_path: Path) -> Non
     """A level cut mid-wave counts only the finished requests' tokens over the whole window: a
     throughput nobody gets (2026-12-05, H200: 128 of 256 requests cut at 2048/256 tokens)."""
     root = tmp_path / "artifacts"
-    cut = _level(1, 6, 3, 350).model_copy(update={"planned": 32, "incomplete": 1})
+    cut = _level(1, 6, 3, 350).model_copy(
+        update={"planned": 32, "incomplete": 1, "streamed_tokens_per_s": 9.5}
+    )
     _measured(root, "gguf-q8_0", "llama.cpp", 0.5, levels=[cut])
     whole = _level(1, 60, 30, 35).model_copy(update={"planned": 32, "incomplete": 0})
     _measured(root, "gguf-q4_0", "llama.cpp", 20.0, levels=[whole])
@@ -209,6 +211,7 @@ def test_a_level_its_time_cap_cut_is_named_in_the_reasons(tmp_path: Path) -> Non
         assert order == ["gguf-q4_0", "gguf-q8_0", "gguf-iq4_xs"], objective  # none finished: last
     reasons = {c["target"]: " ".join(c["reasons"]) for c in answer["ranked"]}
     assert "CUT: the level's time cap ended it with 8 of 32 requests finished" in reasons["gguf-q8_0"]
+    assert "the server streamed 9.5 tokens/s inside it, cut requests included" in reasons["gguf-q8_0"]
     assert "CUT" not in reasons["gguf-q4_0"]
     assert "0.0 output tokens/s, no request finished" in reasons["gguf-iq4_xs"]
     assert "CUT: the level's time cap ended it with 0 of 32 requests finished" in reasons["gguf-iq4_xs"]

@@ -33,7 +33,6 @@ from pipeline.spec import (  # noqa: F401  (the recipe's models, importable from
     VllmServe,
     describe_errors,
 )
-from pipeline.texts import HF_PREFIX
 
 
 def load_recipe(path: str | Path, files: bool = True) -> LoadedRecipe:
@@ -89,21 +88,14 @@ def source_config(loaded: LoadedRecipe) -> dict[str, Any] | None:
 
 def _file_problems(loaded: LoadedRecipe) -> list[str]:
     """Local files the recipe names must exist now, not after an hour of building."""
-    r = loaded.recipe
-    refs = [("evaluation.text", r.evaluation.text)]
-    if r.calibration:
-        refs.append(("calibration.dataset", r.calibration.dataset))
     problems = []
-    for key, ref in refs:
-        if ref.startswith(HF_PREFIX):
-            continue  # fetched when the build first reads it
-        text = loaded.text_path(ref)
-        if not text.is_file():
-            problems.append(f"{key}: file {ref!r} not found")
-        elif text.stat().st_size == 0:
-            problems.append(f"{key}: file {ref!r} is empty")
-    if r.source.path and not loaded.resolve_path(r.source.path).is_dir():
-        problems.append(f"source.path: directory {r.source.path!r} not found")
-    elif r.source.path and not (loaded.resolve_path(r.source.path) / "config.json").is_file():
-        problems.append(f"source.path: {r.source.path!r} has no config.json (not a Hugging Face checkpoint)")
+    for used in loaded.local_inputs():  # a hub reference is fetched when the build first reads it
+        if used.stage == "source" and not used.path.is_dir():
+            problems.append(f"{used.key}: directory {used.ref!r} not found")
+        elif used.stage == "source" and not (used.path / "config.json").is_file():
+            problems.append(f"{used.key}: {used.ref!r} has no config.json (not a Hugging Face checkpoint)")
+        elif used.stage != "source" and not used.path.is_file():
+            problems.append(f"{used.key}: file {used.ref!r} not found")
+        elif used.stage != "source" and used.path.stat().st_size == 0:
+            problems.append(f"{used.key}: file {used.ref!r} is empty")
     return problems

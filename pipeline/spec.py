@@ -512,6 +512,35 @@ class LoadedRecipe(BaseModel):
             return dataset_text(parse_hf_ref(ref), cache_root())
         return self.resolve_path(ref)
 
+    def local_inputs(self) -> list[LocalInput]:
+        """The files and directories on this host the recipe makes a stage read, each with its
+        key and the stage (`source`, `reference`, `build`): built-in texts included, hub references
+        not (they are fetched). `recipe check` wants them present; a DVC stage, among its deps."""
+        r = self.recipe
+        refs = [("source", "source.path", r.source.path, self.resolve_path)]
+        refs.append(("reference", "evaluation.text", r.evaluation.text, self.text_path))
+        if r.calibration:
+            refs.append(("build", "calibration.dataset", r.calibration.dataset, self.text_path))
+        return [
+            LocalInput(stage=stage, key=key, ref=ref, path=where(ref))
+            for stage, key, ref, where in refs
+            if ref and not ref.startswith(HF_PREFIX)
+        ]
+
+
+class LocalInput(BaseModel):
+    """A local file (a text) or directory (a checkpoint) a recipe names, and the stage that reads it."""
+
+    stage: Literal["source", "reference", "build"]
+    key: str  # the recipe key naming it, e.g. calibration.dataset
+    ref: str  # as written: a path, or builtin:<name>
+    path: Path
+
+    @property
+    def builtin(self) -> bool:
+        """A text shipped in the package (part of the code, not of the recipe's inputs)."""
+        return self.ref.startswith("builtin:")
+
 
 # Every target kind's spec class by its `kind` name, filled by pipeline.targets.base.register when
 # pipeline.targets is imported (pipeline.recipe does, before it reads a recipe).

@@ -15,7 +15,6 @@ from dvc.repo import Repo
 
 from pipeline.recipe import load_recipe
 from pipeline.targets.trtllm import TrtllmTarget
-from pipeline.texts import HF_PREFIX
 from tests.conftest import REPO, empty_checkpoint, write_recipe
 
 PIPELINES = {"cpu": REPO / "dvc.yaml", "gpu": REPO / "gpu" / "dvc.yaml"}
@@ -130,22 +129,12 @@ def _unlisted_local_inputs(project: Path) -> list[str]:
             m = re.search(r"pipeline (source|reference|build) (\S+\.yaml)", stage.cmd or "")
             if not m:
                 continue
-            loaded = load_recipe(Path(stage.wdir) / m[2])
-            r = loaded.recipe
-            reads = {
-                "source": [("source.path", r.source.path, loaded.resolve_path)],
-                "reference": [("evaluation.text", r.evaluation.text, loaded.text_path)],
-                "build": [("calibration.dataset", r.calibration.dataset, loaded.text_path)]
-                if r.calibration
-                else [],
-            }[m[1]]
             deps = [Path(d.fs_path).resolve() for d in stage.deps]
-            for key, ref, where in reads:
-                if not ref or ref.startswith(("builtin:", HF_PREFIX)):
+            for used in load_recipe(Path(stage.wdir) / m[2]).local_inputs():
+                if used.stage != m[1]:  # a built-in text too: its file under pipeline/data
                     continue
-                path = where(ref).resolve()
-                if not any(path.is_relative_to(d) for d in deps):  # the dep itself or a dir above it
-                    problems.append(f"{stage.name}: {key} {ref!r} is not among its deps")
+                if not any(used.path.resolve().is_relative_to(d) for d in deps):  # itself or a dir above
+                    problems.append(f"{stage.name}: {used.key} {used.ref!r} is not among its deps")
     return problems
 
 

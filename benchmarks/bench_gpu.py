@@ -478,7 +478,23 @@ def run_targets(
 
                     row["settings"] = setting_rows(project, target, m, row["engine"], keep, settings)
                 write_results(json_out, rows)
+        if not any(serving_op(op)[0] for op in raw_ops):  # no raw server asked (R=none, build steps)
+            for row in served:
+                row["serving"] = project_side_only(m, row["engine"], NO_RAW_SERVE)
+            write_results(json_out, rows)
     print(markdown(rows))
+
+
+NO_RAW_SERVE = "this run asked for no raw serve step (its raw steps name no `serve`)"
+
+
+def project_side_only(manifest: dict[str, Any], engine: str, reason: str) -> dict[str, Any]:
+    """`engine`'s serving record from the manifest with its raw side `not run` for `reason` (nothing
+    measured is made up), or why it has none."""
+    ours = (manifest.get("serving") or {}).get(engine) or {}
+    if ours.get("status") != "passed":
+        return not_benchmarked(ours)
+    return serving_record(ours, {"status": "not run", "reason": reason})
 
 
 def build_argv(recipe: Path, target: str, raw_ops: list[str]) -> list[str]:
@@ -682,11 +698,7 @@ def close_rows(json_out: Path, manifests: list[Path], reason: str) -> None:
         manifest = by_target.get(row.get("target"))
         if manifest is None or row.get("serving") is not None or "engine" not in row:
             continue
-        ours = (manifest.get("serving") or {}).get(row["engine"]) or {}
-        if ours.get("status") == "passed":
-            row["serving"] = serving_record(ours, {"status": "not run", "reason": reason})
-        else:
-            row["serving"] = not_benchmarked(ours)
+        row["serving"] = project_side_only(manifest, row["engine"], reason)
     write_json(json_out, rows)  # not the .md beside it: in benchmarks/results/ it is the narrative
 
 

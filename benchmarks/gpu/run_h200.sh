@@ -17,7 +17,8 @@
 #                                           SERVING=1: the serving table, qwen2-7b-serving(-llama).yaml
 #                                           (SOURCE_ROW=first|last|0: where the bf16 source row runs),
 #                                           R=none: no raw side (the project's builds and benchmarks
-#                                           alone, for a short lease);
+#                                           alone, for a short lease; each row's serving record holds
+#                                           the project's numbers, its raw side `not run`);
 #                                           raw step `serve` for the engines with their defaults
 #                                           (`serve:sglang`: that engine's only, in the order given;
 #                                           ENGINES=sglang: only that engine benchmarked;

@@ -236,9 +236,11 @@ def table(files: list[Path]) -> str:
         "Output tokens/s per concurrency level through each artifact's own deploy command; `w` marks a",
         "level measured over a fixed 15 s window (before levels ran whole waves: not comparable), `cut` one",
         "whose time cap (60 s a level; 120 s in the 2026-12-07 GGUF runs) ended it with requests",
-        "unfinished (its tokens/s counts the finished ones). Project / raw: the range over the levels of the",
-        "deploy command's tokens/s over the engine called directly with its defaults, same checkpoint,",
-        "same lease. Share of bound: tokens/s at one stream over the memory-bandwidth bound (weights as",
+        "unfinished (its tokens/s counts the finished ones; `(streamed N)`, recorded from 2026-12-07, what",
+        "the server streamed inside the cap, the cut requests included). Project / raw: the range over the",
+        "levels of the deploy command's tokens/s over the engine called directly with its defaults, same",
+        "checkpoint, same lease (`cut, streamed`: the same of what each streamed inside a cap that cut",
+        "either). Share of bound: tokens/s at one stream over the memory-bandwidth bound (weights as",
         "stored plus 16-bit KV at the context, the card's spec bandwidth); below 30 % is flagged.",
     ]
     for card, served in sorted(cards.items()):

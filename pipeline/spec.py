@@ -536,11 +536,6 @@ class LocalInput(BaseModel):
     ref: str  # as written: a path, or builtin:<name>
     path: Path
 
-    @property
-    def builtin(self) -> bool:
-        """A text shipped in the package (part of the code, not of the recipe's inputs)."""
-        return self.ref.startswith("builtin:")
-
 
 # Every target kind's spec class by its `kind` name, filled by pipeline.targets.base.register when
 # pipeline.targets is imported (pipeline.recipe does, before it reads a recipe).

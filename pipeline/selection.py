@@ -214,7 +214,15 @@ def select(registry: Registry, scenario: Scenario) -> dict[str, Any]:
         by_kld = all(c.kld_mean is not None for c in ranked)
         for c in ranked:
             c.reasons.append(_accuracy_basis(c, by_kld))
-    ranked.sort(key=lambda c: _rank_key(c, scenario, by_kld))
+    # among levels a time cap cut: speed by what each server streamed inside its cap, where every
+    # cut one recorded it (from 2026-12-07), else by the finished requests' tokens alone
+    cut = [lv for c in ranked if (lv := _level(c, scenario) or {}).get("incomplete")]
+    by_streamed = bool(cut) and all(lv.get("streamed_tokens_per_s") is not None for lv in cut)
+    if by_streamed and scenario.objective == "throughput":
+        for c in ranked:
+            if (_level(c, scenario) or {}).get("incomplete"):
+                c.reasons.append("ranked among the cut levels by what each streamed inside its cap")
+    ranked.sort(key=lambda c: _rank_key(c, scenario, by_kld, by_streamed))
     return {
         "scenario": asdict(scenario),
         "ranked": [c.as_dict() for c in ranked],
@@ -356,10 +364,13 @@ def _accuracy_basis(c: Candidate, by_kld: bool) -> str:
     )
 
 
-def _rank_key(c: Candidate, s: Scenario, by_kld: bool = False) -> tuple[float, ...]:
+def _rank_key(
+    c: Candidate, s: Scenario, by_kld: bool = False, by_streamed: bool = False
+) -> tuple[float, ...]:
     """Best first; ties broken by ΔPPL, then size. For speed, a level its time cap cut comes after
     every whole one: its numbers count only the requests that finished, so they compare with
-    nothing. Accuracy: by full-vocabulary KLD where every candidate has one (`by_kld`; ΔPPL's sign
+    nothing; among cut ones, by what each streamed inside its cap where all have it (`by_streamed`).
+    Accuracy: by full-vocabulary KLD where every candidate has one (`by_kld`; ΔPPL's sign
     and size are noise at small deltas, and a quantization can score a lower PPL than its source
     while its distributions moved), else by |ΔPPL|."""
     ppl = c.ppl_delta_pct if c.ppl_delta_pct is not None else float("inf")
@@ -371,7 +382,8 @@ def _rank_key(c: Candidate, s: Scenario, by_kld: bool = False) -> tuple[float, .
         return missing if value is None else value
 
     if s.objective == "throughput":
-        return (cut, -measured("output_tokens_per_s", 0.0), ppl, c.size_bytes)
+        rate = "streamed_tokens_per_s" if cut and by_streamed else "output_tokens_per_s"
+        return (cut, -measured(rate, 0.0), ppl, c.size_bytes)
     if s.objective == "latency":
         return (cut, measured("ttft_ms_p99", float("inf")), measured("itl_ms_p99", float("inf")), ppl)
     if s.objective == "size":

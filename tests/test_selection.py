@@ -188,6 +188,31 @@ def test_a_contended_benchmark_is_named_in_the_reasons(tmp_path: Path) -> None:
     assert "CONTENDED" not in reasons["gguf-q4_0"]
 
 
+@pytest.mark.parametrize("all_streamed", [True, False])
+def test_cut_levels_rank_by_what_they_streamed_where_every_one_recorded_it(
+    tmp_path: Path, all_streamed: bool
+) -> None:
+    """Two levels cut by the cap (2026-12-07, H100: 221-233 of 512 requests finished at 128 streams):
+    the one that finished more tokens may have streamed fewer. Where both recorded what they streamed,
+    that ranks them; where one did not (a record from before), the finished tokens do."""
+    root = tmp_path / "artifacts"
+    more_finished = _level(128, 900, 40, 500.0).model_copy(
+        update={"planned": 512, "incomplete": 128, "streamed_tokens_per_s": 600.0 if all_streamed else None}
+    )
+    more_streamed = _level(128, 900, 40, 450.0).model_copy(
+        update={"planned": 512, "incomplete": 128, "streamed_tokens_per_s": 700.0}
+    )
+    _measured(root, "gguf-q4_0", "llama.cpp", 1.0, levels=[more_finished])
+    _measured(root, "gguf-q8_0", "llama.cpp", 1.0, levels=[more_streamed])
+    reg = Registry(root)
+    reg.rebuild()
+    answer = select(reg, Scenario(model="m", cpu=True, objective="throughput", concurrency=128))
+    order = [c["target"] for c in answer["ranked"]]
+    assert order == (["gguf-q8_0", "gguf-q4_0"] if all_streamed else ["gguf-q4_0", "gguf-q8_0"])
+    named = "ranked among the cut levels by what each streamed inside its cap"
+    assert all((named in c["reasons"]) == all_streamed for c in answer["ranked"])
+
+
 def test_a_level_its_time_cap_cut_is_named_in_the_reasons(tmp_path: Path) -> None:
     """A level cut mid-wave counts only the finished requests' tokens over the whole window: a
     throughput nobody gets (2026-12-05, H200: 128 of 256 requests cut at 2048/256 tokens)."""

@@ -601,10 +601,14 @@ def _rate(level: dict[str, Any] | None) -> float | None:
     return None if not level or level.get("incomplete") else level.get("output_tokens_per_s")
 
 
+def _over(tps: float | None, base_tps: float | None) -> float | None:
+    """One tokens/s figure over another, to 3 places (None where either is missing or zero)."""
+    return round(tps / base_tps, 3) if tps and base_tps else None
+
+
 def _ratio(got: dict[str, Any] | None, base: dict[str, Any] | None) -> float | None:
     """Output tokens/s of `got` over `base` (None where either has none)."""
-    tps, base_tps = _rate(got), _rate(base)
-    return round(tps / base_tps, 3) if tps and base_tps else None
+    return _over(_rate(got), _rate(base))
 
 
 def _streamed_ratio(got: dict[str, Any], base: dict[str, Any]) -> float | None:
@@ -612,8 +616,7 @@ def _streamed_ratio(got: dict[str, Any], base: dict[str, Any]) -> float | None:
     same cap, over each other (None where neither was cut, or either has no such figure)."""
     if not (got.get("incomplete") or base.get("incomplete")):
         return None
-    tps, base_tps = got.get("streamed_tokens_per_s"), base.get("streamed_tokens_per_s")
-    return round(tps / base_tps, 3) if tps and base_tps else None
+    return _over(got.get("streamed_tokens_per_s"), base.get("streamed_tokens_per_s"))
 
 
 def paired_levels(ours: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:

@@ -90,12 +90,14 @@ def _file_problems(loaded: LoadedRecipe) -> list[str]:
     """Local files the recipe names must exist now, not after an hour of building."""
     problems = []
     for used in loaded.local_inputs():  # a hub reference is fetched when the build first reads it
-        if used.stage == "source" and not used.path.is_dir():
-            problems.append(f"{used.key}: directory {used.ref!r} not found")
-        elif used.stage == "source" and not (used.path / "config.json").is_file():
-            problems.append(f"{used.key}: {used.ref!r} has no config.json (not a Hugging Face checkpoint)")
-        elif used.stage != "source" and not used.path.is_file():
+        if used.stage == "source":  # a checkpoint directory
+            if not used.path.is_dir():
+                problems.append(f"{used.key}: directory {used.ref!r} not found")
+            elif not (used.path / "config.json").is_file():
+                why = "has no config.json (not a Hugging Face checkpoint)"
+                problems.append(f"{used.key}: {used.ref!r} {why}")
+        elif not used.path.is_file():  # a text
             problems.append(f"{used.key}: file {used.ref!r} not found")
-        elif used.stage != "source" and used.path.stat().st_size == 0:
+        elif used.path.stat().st_size == 0:
             problems.append(f"{used.key}: file {used.ref!r} is empty")
     return problems

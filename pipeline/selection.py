@@ -216,12 +216,11 @@ def select(registry: Registry, scenario: Scenario) -> dict[str, Any]:
             c.reasons.append(_accuracy_basis(c, by_kld))
     # among levels a time cap cut: speed by what each server streamed inside its cap, where every
     # cut one recorded it (from 2026-12-07), else by the finished requests' tokens alone
-    cut = [lv for c in ranked if (lv := _level(c, scenario) or {}).get("incomplete")]
-    by_streamed = bool(cut) and all(lv.get("streamed_tokens_per_s") is not None for lv in cut)
+    cut = [(c, lv) for c in ranked if (lv := _level(c, scenario) or {}).get("incomplete")]
+    by_streamed = bool(cut) and all(lv.get("streamed_tokens_per_s") is not None for _, lv in cut)
     if by_streamed and scenario.objective == "throughput":
-        for c in ranked:
-            if (_level(c, scenario) or {}).get("incomplete"):
-                c.reasons.append("ranked among the cut levels by what each streamed inside its cap")
+        for c, _ in cut:
+            c.reasons.append("ranked among the cut levels by what each streamed inside its cap")
     ranked.sort(key=lambda c: _rank_key(c, scenario, by_kld, by_streamed))
     return {
         "scenario": asdict(scenario),

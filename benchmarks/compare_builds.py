@@ -17,6 +17,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pipeline.constants import STEP_KEY_FILE
+from pipeline.hashing import file_sha256
+
 TIMINGS = {"tokens_per_s", "prompt_tokens_per_s", "load_s", "seconds", "server_ready_s", "startup_s"}
 
 
@@ -90,7 +93,28 @@ def compare(root_a: Path, root_b: Path, recipe: str) -> list[dict[str, Any]]:
                 ),
             }
         )
-    return rows
+    return rows + _reference_row(root_a, root_b, recipe)
+
+
+def _reference_row(root_a: Path, root_b: Path, recipe: str) -> list[dict[str, Any]]:
+    """The shared reference directory (logits, PPL, generations), compared file by file."""
+    dirs = [root / recipe / ".reference" for root in (root_a, root_b)]
+    if not all(d.is_dir() for d in dirs):
+        return [{"target": "(reference)", "note": "computed in one of the two only"}]
+    a, b = ({p.name: file_sha256(p) for p in d.iterdir() if p.is_file()} for d in dirs)
+    same = sorted(n for n in a if b.get(n) == a[n])
+    return [
+        {
+            "target": "(reference)",
+            "inputs_same": a.get(STEP_KEY_FILE) == b.get(STEP_KEY_FILE),
+            "files_same": f"{len(same)}/{len(a)}",
+            "files_differ": sorted(set(a) ^ set(b) | set(a) - set(same)),
+            "status": "– / –",
+            "metrics_same": a.get("reference.json") == b.get("reference.json"),
+            "largest_metric_diff": "–",
+            "ppl_delta_pct": (None, None),
+        }
+    ]
 
 
 def main() -> None:

@@ -190,3 +190,25 @@ def test_a_cached_bfloat16_reference_is_recomputed_once_float32_fits(
     ctx = Project.open(recipe).context()
     assert ctx.reference()[0]["placement"]["dtype"] == "float32"
     assert [s.op for s in ctx.steps if s.op != "toolchain"] == []  # reused as it is
+
+
+def test_a_recomputed_reference_is_the_same_bytes_and_logs_its_run(
+    tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    """The reference directory (a DVC out) holds no run facts: computed again on the same inputs it
+    is byte for byte the same, so DVC's build stages after it stay up to date. Its load time, speed
+    and the host's free memory go to the step log."""
+    import shutil
+
+    from pipeline.project import Project
+    from tests.conftest import write_recipe
+
+    recipe = write_recipe(tiny_recipe_dir / "tiny.yaml")
+    _, out = Project.open(recipe).context().reference()
+    first = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+    shutil.rmtree(out)
+    Project.open(recipe).context().reference()
+    assert {p.name: p.read_bytes() for p in sorted(out.iterdir())} == first
+    assert "load_s" not in first["reference.json"].decode()
+    log = (out.parent / ".logs" / "reference.log").read_text()
+    assert log.count("GiB free") == 2 and "tokens scored at" in log

@@ -189,6 +189,19 @@ def gpu_devices(n_params: int) -> list[str]:
     raise SystemExit(f"{need / 2**30:.0f} GiB of bfloat16 weights exceed 3/4 of the GPUs' free memory")
 
 
+def disk_shortfall(need: int, directory: Path) -> str | None:
+    """Why a checkpoint of `need` bytes does not fit under `directory` (its filesystem's free space,
+    with 5 % to spare), or None. The device's disk is 64 GiB: a 32B shape's 61 GiB do not fit
+    beside the carried environments, and a save that fills it half-way costs the lease."""
+    free = shutil.disk_usage(directory).free
+    if need * 1.05 <= free:
+        return None
+    return (
+        f"{need / 2**30:.1f} GiB of bfloat16 weights, {free / 2**30:.1f} GiB free under {directory}: not "
+        "made (run_h200.sh: CHECKPOINT_ROOT=/dev/shm makes the checkpoint in memory)"
+    )
+
+
 def make_checkpoint(out: Path, arch: str, tokenizer: Path, shape: str = "qwen2-7b") -> None:
     import torch
     from bench_trtllm_checkpoint import shape_config
@@ -210,6 +223,9 @@ def make_checkpoint(out: Path, arch: str, tokenizer: Path, shape: str = "qwen2-7
     t0 = time.perf_counter()
     with torch.device("meta"):  # counted without memory
         n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if short := disk_shortfall(n_params * 2, out.parent):  # said before minutes of making it
+        raise SystemExit(f"{shape}: {short}")
     model = random_model(cfg, gpu_devices(n_params))
     text = (REPO / "pipeline" / "data" / BUILTIN_TEXTS["gpl-3.0"]).read_text()
     ids = tok(text, add_special_tokens=False)["input_ids"][:512]

@@ -106,6 +106,36 @@ def test_a_model_spread_over_devices_is_made_whole_in_place() -> None:
     assert ranges["finite"] == 1.0 and 1.0 < ranges["logits_std"] < 10.0
 
 
+def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_it_is_made(
+    tmp_path: Path, smollm2_tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device's 64 GiB disk cannot hold the 32B shape's 61 GiB beside the environments: make-checkpoint
+    says so, naming the way out, before it makes a single weight (a save that fills the disk half-way
+    would cost the lease). Room enough: no complaint."""
+    import importlib.util
+    import shutil
+    import sys
+    from collections import namedtuple
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "benchmarks" / "bench_gpu.py")
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    assert bench.disk_shortfall(1 << 20, tmp_path) is None
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(64 << 30, 10 << 30, 54 << 30))
+    monkeypatch.setattr(bench, "random_model", lambda *_: pytest.fail("made despite the full disk"))
+    with pytest.raises(SystemExit) as refused:
+        bench.make_checkpoint(
+            tmp_path / "ckpt" / "qwen2.5-32b-qwen2", "qwen2", smollm2_tokenizer_dir, "qwen2.5-32b"
+        )
+    message = str(refused.value)
+    assert message.startswith("qwen2.5-32b: 61.0 GiB of bfloat16 weights, 54.0 GiB free under ")
+    assert "CHECKPOINT_ROOT=/dev/shm" in message and not (tmp_path / "ckpt" / "qwen2.5-32b-qwen2").exists()
+
+
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "benchmarks" / "gpu").glob("*.yaml")))
 def test_each_kit_recipe_loads_once_its_checkpoint_is_made(tmp_path: Path, recipe: str) -> None:
     """The kit's recipes are checked only on the GPU host, where a mistake costs device minutes:

@@ -11,7 +11,9 @@
 #                                           steps R (default convert,quantize,checkpoint,validate)
 #                                           (T=gguf: the Llama-declared one;
 #                                           GGUF_TARGETS: some of its three GGUF targets;
-#                                           SHAPE=qwen2.5-32b: the 32B shape, qwen2.5-32b-shape.yaml;
+#                                           SHAPE=qwen2.5-32b: the 32B shape, qwen2.5-32b-shape.yaml
+#                                           (CHECKPOINT_ROOT=/dev/shm: its checkpoint in memory;
+#                                           61 GiB do not fit the 64 GiB disk beside the environments);
 #                                           SHAPE=llama2-70b: a Llama of that shape, llama2-70b-shape.yaml,
 #                                           over every GPU (tp_size 4);
 #                                           SERVING=1: the serving table, qwen2-7b-serving(-llama).yaml
@@ -172,7 +174,7 @@ PY
     cp "$BG/build.log" "$BG/build2.log" "$BG/tests.log" "$c/" 2>/dev/null
     # the results so far (bench_gpu.py rewrites them after every step), the streams' own logs
     cp /tmp/pipeline-work/[hg][0-9p]*-20*.json "$BG"/build*/qwen2-7b-*.log "$BG"/tests/pytest-gpu.log \
-      /tmp/pipeline-work/*.activations.json "$c/" 2>/dev/null
+      /tmp/pipeline-work/*.activations.json /dev/shm/*.activations.json "$c/" 2>/dev/null
     # the metrics files (.metrics/: the report page's rows) go to gpu/artifacts/<recipe>/ here
     (cd /tmp/pipeline-work/artifacts 2>/dev/null && find . -name manifest.json -o -path '*/.logs/*' \
       -o -name reference.json -o -name '*.activations.json' -o -path '*/.metrics/*' \
@@ -243,14 +245,17 @@ case "${1:-}" in
     arch=qwen2; [ "${2:-}" = gguf ] && arch=llama
     shape=${SHAPE:-qwen2-7b}  # SHAPE=qwen2.5-32b: the 32B shape and its recipe (one H200 holds it);
     [ "$shape" = llama2-70b ] && arch=llama  # SHAPE=llama2-70b: a Llama, over every GPU (tp_size 4)
-    [ -f "$WORK/$shape-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
-      "$WORK/$shape-$arch" --arch $arch --shape "$shape" --tokenizer "$tokenizer"
+    # CHECKPOINT_ROOT=/dev/shm: the checkpoint in memory (the 32B shape's 61 GiB do not fit the
+    # 64 GiB disk beside the environments; make-checkpoint refuses where it does not fit)
+    ckpt=${CHECKPOINT_ROOT:-$WORK}
+    [ -f "$ckpt/$shape-$arch/config.json" ] || python3 benchmarks/bench_gpu.py make-checkpoint \
+      "$ckpt/$shape-$arch" --arch $arch --shape "$shape" --tokenizer "$tokenizer" || exit 1
     unified='s#llamacpp: {n_ctx: 327680, parallel: 128, n_gpu_layers: -1, cache_ram_mib: 0}#llamacpp: {n_ctx: 327680, parallel: 128, n_gpu_layers: -1, cache_ram_mib: 0, kv_unified: true}#'
     for r in qwen2-7b-shape qwen2-7b-shape-llama qwen2-7b-serving qwen2-7b-serving-llama qwen2.5-32b-shape llama2-70b-shape; do  # replaced whole: the other stream may be reading it
       # ENGINES=sglang: the serving recipe benchmarks those engines only (`engines: [sglang]`)
       # ONE_WORKLOAD=1: the first workload only (a short lease); KV_UNIFIED=1: llama-server's slots
       # share one KV cache (serve.llamacpp.kv_unified); ONLY_WORKLOAD=2048/256: that workload alone
-      sed -e "s#@WORK@#$WORK#g" -e "${ENGINES:+s#, engines: all,#, engines: [$ENGINES],#}" \
+      sed -e "s#source: {path: \"@WORK@/#source: {path: \"$ckpt/#" -e "s#@WORK@#$WORK#g" -e "${ENGINES:+s#, engines: all,#, engines: [$ENGINES],#}" \
         -e "${ONE_WORKLOAD:+s#more_workloads: \[[^]]*\]##}" \
         -e "${ONLY_WORKLOAD:+s#prompt_tokens: 512, output_tokens: 128#prompt_tokens: ${ONLY_WORKLOAD%/*}, output_tokens: ${ONLY_WORKLOAD#*/}#; s#more_workloads: \[[^]]*\]##}" \
         -e "${KV_UNIFIED:+$unified}" -e "${CONCURRENCY:+s#concurrency: \[1, 8, 32, 128\]#concurrency: [$CONCURRENCY]#}" \

@@ -13,7 +13,8 @@
 #                                           GGUF_TARGETS: some of its three GGUF targets;
 #                                           SHAPE=qwen2.5-32b: the 32B shape, qwen2.5-32b-shape.yaml
 #                                           (CHECKPOINT_ROOT=/dev/shm: its checkpoint in memory;
-#                                           61 GiB do not fit the 64 GiB disk beside the environments);
+#                                           61 GiB do not fit the 64 GiB disk beside the environments;
+#                                           the recipe's header says what then fits);
 #                                           SHAPE=llama2-70b: a Llama of that shape, llama2-70b-shape.yaml,
 #                                           over every GPU (tp_size 4);
 #                                           SERVING=1: the serving table, qwen2-7b-serving(-llama).yaml

@@ -112,17 +112,13 @@ def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_it_is_made(
     """The device's 64 GiB disk cannot hold the 32B shape's 61 GiB beside the environments: make-checkpoint
     says so, naming the way out, before it makes a single weight (a save that fills the disk half-way
     would cost the lease). Room enough: no complaint."""
-    import importlib.util
     import shutil
     import sys
     from collections import namedtuple
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "benchmarks" / "bench_gpu.py")
-    assert spec and spec.loader
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    import benchmarks.bench_gpu as bench
 
+    sys.path.insert(0, str(REPO / "benchmarks"))  # make_checkpoint imports bench_trtllm_checkpoint
     assert bench.disk_shortfall(1 << 20, tmp_path) is None
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(64 << 30, 10 << 30, 54 << 30))

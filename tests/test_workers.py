@@ -439,14 +439,24 @@ def test_gpu_peaks_are_summed_and_kept_per_gpu_where_a_host_has_several(tmp_path
 
 @pytest.mark.parametrize("failing", [64, 128])
 def test_a_further_workload_that_fails_keeps_the_earlier_numbers_and_the_server_is_stopped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int, smollm2_tokenizer_dir: Path
 ) -> None:
     """The load generator measures each workload on one server: a later shape whose run fails is
     recorded with its reason (those after it as not run) and the first's numbers are kept; the first
-    one failing fails the whole step. Either way the server's process group is ended."""
+    one failing fails the whole step. Either way the server's process group is ended. Each workload
+    is warmed up before it is measured, by a request of its own shape."""
     from pipeline.workers import loadgen
 
     measured: list[int] = []
+    warmed: list[tuple[int, int]] = []
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+
+    def warm_up(base: str, model_id: str, prompt: str, tokens: int) -> None:
+        assert len(warmed) == len(measured)  # before its own measurement, after the one before
+        warmed.append((len(tokenizer.encode(prompt, add_special_tokens=False)), tokens))
+
     stopped: list[subprocess.Popen[bytes]] = []
     stop = loadgen._stop
 
@@ -457,7 +467,7 @@ def test_a_further_workload_that_fails_keeps_the_earlier_numbers_and_the_server_
         return {"seconds": 1.0, "levels": [{"concurrency": 1}]}
 
     monkeypatch.setattr(loadgen, "wait_ready", lambda *a: "model")
-    monkeypatch.setattr(loadgen, "_warm_up", lambda *a: None)
+    monkeypatch.setattr(loadgen, "_warm_up", warm_up)
     monkeypatch.setattr(loadgen, "_measure", measure)
     monkeypatch.setattr(loadgen, "_stop", lambda server: (stopped.append(server), stop(server)))
     request = {
@@ -465,7 +475,7 @@ def test_a_further_workload_that_fails_keeps_the_earlier_numbers_and_the_server_
         "argv": ["python", "-c", "import time; time.sleep(120)"],
         "python": sys.executable,
         "model_dir": str(tmp_path),
-        "tokenizer": str(tmp_path),
+        "tokenizer": str(smollm2_tokenizer_dir),
         "server_log": str(tmp_path / "server.log"),
         "ready_timeout_s": 5,
         "port": 1,
@@ -478,6 +488,7 @@ def test_a_further_workload_that_fails_keeps_the_earlier_numbers_and_the_server_
         first, second, third = loadgen.op_benchmark(request)["runs"]
         assert measured == [64, 128] and first == {"seconds": 1.0, "levels": [{"concurrency": 1}]}
         assert "killed" in second["error"] and third["error"] == "not run: a workload before it failed"
+    assert warmed == [(64, 8), (128, 8)][: len(measured)]  # each at its prompt and output length
     [server] = stopped
     assert server.poll() is not None  # ended, not left running
 

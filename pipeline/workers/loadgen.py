@@ -1,9 +1,8 @@
 """The serving benchmark, inside the `guidellm` environment: start the artifact's serve command
 (`python` as its engine environment's interpreter, llama-server as the core located it) on a free
-loopback port, wait until it answers, then after
-one warm-up request one GuideLLM run over the concurrency levels per workload (synthetic prompts of
-a fixed length, a bounded request count), sampling the server's process-group memory, and shut the
-server down whatever happens."""
+loopback port, wait until it answers, then per workload one warm-up request of its shape and one
+GuideLLM run over the concurrency levels (synthetic prompts of a fixed length, a bounded request
+count), sampling the server's process-group memory, and shut the server down whatever happens."""
 
 from __future__ import annotations
 
@@ -50,11 +49,20 @@ def wait_ready(server: subprocess.Popen[bytes], base: str, log: Path, timeout_s:
     raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s (log: {log})")
 
 
-def _warm_up(base: str, model_id: str, tokens: int) -> None:
-    """One request before measuring: the first one pays for paging the weights in (and for
-    compiling, on vLLM), which is the server's start, not its serving."""
+def warm_up_prompt(tokenizer: Any, tokens: int) -> str:
+    """A text of `tokens` tokens (as `tokenizer` encodes it, special tokens apart): the warm-up's
+    prompt at the workload's length."""
+    unit = tokenizer.encode(" The quick brown fox jumps over the lazy dog.", add_special_tokens=False)
+    return tokenizer.decode((unit * (tokens // len(unit) + 1))[:tokens])
+
+
+def _warm_up(base: str, model_id: str, prompt: str, tokens: int) -> None:
+    """One request of the workload's shape before measuring it: the first request pays for paging
+    the weights in (and for compiling, on vLLM), and the first at a workload's length for what the
+    engine builds on first use (H100, 2026-12-07: SGLang with FlashInfer attention, whose "Hello"
+    warm-up left ~5 s in level 1's first 512-token request): the server's start, not its serving."""
     try:
-        post_json(f"{base}/v1/completions", {"model": model_id, "prompt": "Hello", "max_tokens": tokens},
+        post_json(f"{base}/v1/completions", {"model": model_id, "prompt": prompt, "max_tokens": tokens},
                   timeout=300)  # fmt: skip
     except (OSError, ValueError) as exc:
         raise RuntimeError(f"the warm-up request failed: {exc}") from None
@@ -89,11 +97,19 @@ def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
     try:
         model_id = wait_ready(server, base, log, req["ready_timeout_s"])
         ready_s = time.perf_counter() - t0
-        _warm_up(base, model_id, workloads[0]["output_tokens"])
-        runs = [_measure(server, base, model_id, req["tokenizer"], workloads[0], log)]
+        from transformers import AutoTokenizer  # (the guidellm set's: GuideLLM reads it too)
+
+        tokenizer = AutoTokenizer.from_pretrained(req["tokenizer"])
+
+        def measure(workload: dict[str, Any]) -> dict[str, Any]:
+            prompt = warm_up_prompt(tokenizer, workload["prompt_tokens"])
+            _warm_up(base, model_id, prompt, workload["output_tokens"])
+            return _measure(server, base, model_id, req["tokenizer"], workload, log)
+
+        runs = [measure(workloads[0])]
         for workload in workloads[1:]:  # a later shape that fails keeps the earlier ones' numbers
             try:
-                runs.append(_measure(server, base, model_id, req["tokenizer"], workload, log))
+                runs.append(measure(workload))
             except RuntimeError as exc:
                 runs.append({"error": str(exc)})
                 runs += [{"error": "not run: a workload before it failed"} for _ in workloads[len(runs) :]]

@@ -735,7 +735,9 @@ SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
     "sglang": {
         # the deploy command's Triton attention against FlashInfer's (carried with the sglang set):
         # H100, 2026-12-05, AWQ at 512/128 and 128 streams: SGLang's TTFT p50 was 2.1x vLLM's (2,889
-        # against 1,360 ms), its ITL p50 1.4x (11.7 against 8.5 ms), its tokens/s 0.56x
+        # against 1,360 ms), its ITL p50 1.4x (11.7 against 8.5 ms), its tokens/s 0.56x. Measured
+        # 2026-12-07 (GPTQ): within 1.5 % of Triton at 8-128 streams; SGLang's W4A16 GEMM is Marlin
+        # (h100-2026-12-07-serving-run4.md)
         "flashinfer attention": ({}, ["--attention-backend", "flashinfer"]),
         "torch.compile": ({}, ["--enable-torch-compile"]),
     },

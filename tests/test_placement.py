@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.workers.protocol import last_error_line
-from pipeline.workers.reference import choose_placement, count_parameters, gpu_load_caps
+from pipeline.workers.reference import choose_placement, count_parameters, gpu_load_caps, recorded_placement
 from pipeline.workers.serving import first_divergence
 from pipeline.workers.vllm import check_version, release
 
@@ -47,6 +47,15 @@ def test_a_70b_reference_is_sharded_over_the_gpus_in_float32_when_they_hold_it_t
     place = choose_placement(LLAMA2_70B, gpus_free=[139 * GIB] * 4, host_free=500 * GIB)
     assert (place["device"], place["dtype"], place["gpus"]) == ("cuda", "float32", 4)
     assert place["max_memory_gib"] == [109.2] * 4 and place["need_gib"] <= 0.8 * place["free_gib"]
+    # reference.json records the shard count, not the caps the free memory made (a busier GPU at
+    # the next run would move them, and the reference's bytes with them)
+    busier = choose_placement(LLAMA2_70B, gpus_free=[139 * GIB] * 3 + [130 * GIB], host_free=500 * GIB)
+    assert busier["max_memory_gib"] != place["max_memory_gib"]
+    assert recorded_placement(busier, "H200") == recorded_placement(place, "H200")
+    assert recorded_placement(place, "H200") == {
+        "device": "cuda", "dtype": "float32", "gpus": 4, "params": LLAMA2_70B, "need_gib": place["need_gib"],
+        "device_name": "H200",
+    }  # fmt: skip
     # two H200s hold it in bfloat16 only (128 GiB), which beats float32 on the CPU
     place = choose_placement(LLAMA2_70B, gpus_free=[139 * GIB] * 2, host_free=500 * GIB)
     assert (place["device"], place["dtype"], place["gpus"]) == ("cuda", "bfloat16", 2)

@@ -189,8 +189,10 @@ def op_reference(req: dict[str, Any]) -> dict[str, Any]:
     np.save(out / "logits.npy", np.concatenate(all_logits).astype(np.float32))
     # this run's facts go to the step log, not the result: the reference directory is a DVC out,
     # the same bytes for the same inputs (a rerun would otherwise move every build stage after it)
+    device_name = _device_name(device)
+    caps = f", at most {place['max_memory_gib']} GiB a GPU" if "max_memory_gib" in place else ""
     print(
-        f"reference on {_device_name(device)} in {place['dtype']} ({place['free_gib']} GiB free, "
+        f"reference on {device_name} in {place['dtype']} ({place['free_gib']} GiB free{caps}, "
         f"{place['need_gib']} GiB needed): loaded in {load_s:.1f} s, {len(eval_ids)} tokens scored at "
         f"{len(eval_ids) / eval_s:.0f} tokens/s",
         file=sys.stderr,
@@ -221,7 +223,6 @@ def op_reference(req: dict[str, Any]) -> dict[str, Any]:
                     "stopped_at_eos": bool(new) and new[-1] in eos_ids,
                 }
             )
-    chosen = {k: v for k, v in place.items() if k != "free_gib"}  # the free memory: logged above
     return {
         "eval_ids": eval_ids,
         "ctx": ctx,
@@ -231,9 +232,17 @@ def op_reference(req: dict[str, Any]) -> dict[str, Any]:
         "ppl": float(np.exp(nll / n_pred)),
         "eos_token_ids": eos_ids,
         "generations": generations,
-        "placement": {**chosen, "device_name": _device_name(device)},
+        "placement": recorded_placement(place, device_name),
         "toolchain": _versions(),
     }
+
+
+def recorded_placement(place: dict[str, Any], device_name: str) -> dict[str, Any]:
+    """The placement as reference.json records it: where and how the reference ran, without what
+    the host's free memory decided (the free GiB and a sharded load's per-GPU caps: the step log's),
+    so the same inputs give the same bytes on any load of the same GPUs."""
+    recorded = {k: v for k, v in place.items() if k not in ("free_gib", "max_memory_gib")}
+    return {**recorded, "device_name": device_name}
 
 
 def _device_name(device: str) -> str:

@@ -177,10 +177,11 @@ def load_request(
 
 
 def load_timeout_s(spec: ServingBenchmarkSpec) -> float:
-    """The whole load step's limit: the server's start, then per workload each level and a load
-    generator's start."""
+    """The whole load step's limit: the server's start, then per workload its warm-up request (at
+    most a level's time), each level and a load generator's start."""
     per_level = spec.max_seconds_per_level + 60
-    return READY_TIMEOUT_S + (per_level * len(spec.concurrency) + 60) * len(spec.workloads())
+    per_workload = per_level * len(spec.concurrency) + 60 + spec.max_seconds_per_level
+    return READY_TIMEOUT_S + per_workload * len(spec.workloads())
 
 
 def memory_setting(engine: str, serve: ServeSpec) -> dict[str, Any]:

@@ -437,9 +437,9 @@ def test_gpu_peaks_are_summed_and_kept_per_gpu_where_a_host_has_several(tmp_path
     assert sampler.peaks() == (10, None) and sampler.peak_gpu_mib_each() is None
 
 
-@pytest.mark.parametrize("failing", [64, 128])
+@pytest.mark.parametrize("failing", [64, 128, "warm-up 128"])
 def test_a_further_workload_that_fails_keeps_the_earlier_numbers_and_the_server_is_stopped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int, smollm2_tokenizer_dir: Path
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int | str, smollm2_tokenizer_dir: Path
 ) -> None:
     """The load generator measures each workload on one server: a later shape whose run fails is
     recorded with its reason (those after it as not run) and the first's numbers are kept; the first
@@ -453,9 +453,11 @@ def test_a_further_workload_that_fails_keeps_the_earlier_numbers_and_the_server_
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
 
-    def warm_up(base: str, model_id: str, prompt: str, tokens: int) -> None:
+    def warm_up(server: object, base: str, model_id: str, prompt: str, tokens: int, log: Path) -> None:
         assert len(warmed) == len(measured)  # before its own measurement, after the one before
         warmed.append((len(tokenizer.encode(prompt, add_special_tokens=False)), tokens))
+        if failing == f"warm-up {len(tokenizer.encode(prompt, add_special_tokens=False))}":
+            raise RuntimeError("the warm-up request failed: refused")
 
     stopped: list[subprocess.Popen[bytes]] = []
     stop = loadgen._stop
@@ -486,11 +488,58 @@ def test_a_further_workload_that_fails_keeps_the_earlier_numbers_and_the_server_
         assert measured == [64]
     else:
         first, second, third = loadgen.op_benchmark(request)["runs"]
-        assert measured == [64, 128] and first == {"seconds": 1.0, "levels": [{"concurrency": 1}]}
-        assert "killed" in second["error"] and third["error"] == "not run: a workload before it failed"
-    assert warmed == [(64, 8), (128, 8)][: len(measured)]  # each at its prompt and output length
+        assert first == {"seconds": 1.0, "levels": [{"concurrency": 1}]}
+        assert measured == ([64, 128] if failing == 128 else [64])
+        assert ("killed" if failing == 128 else "warm-up request failed") in second["error"]
+        assert third["error"] == "not run: a workload before it failed"
+    assert warmed == [(64, 8), (128, 8)][: len(warmed)] and len(warmed) == (1 if failing == 64 else 2)
     [server] = stopped
     assert server.poll() is not None  # ended, not left running
+
+
+def test_the_warm_up_asks_the_whole_shape_and_names_a_dead_server_or_a_broken_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_tokenizer_dir: Path
+) -> None:
+    """The warm-up request carries the workload's prompt length and asks for every output token
+    (ignore_eos, as GuideLLM's do); a broken answer (not an OSError: http.client's) is one
+    RuntimeError, and where the server has died its log's last error is the reason."""
+    import http.client
+
+    from transformers import AutoTokenizer
+
+    from pipeline.workers import loadgen
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    for n in (1, 7, 512, 2048):
+        assert len(tokenizer.encode(loadgen.warm_up_prompt(tokenizer, n), add_special_tokens=False)) == n
+    sent: list[dict] = []
+    outcome: list[BaseException] = []
+
+    def post_json(url: str, body: dict, timeout: float) -> dict:
+        sent.append(body)
+        if outcome:
+            raise outcome.pop()
+        return {}
+
+    monkeypatch.setattr(loadgen, "post_json", post_json)
+    log = tmp_path / "server.log"
+    log.write_text("RuntimeError: CUDA error: an illegal memory access was encountered\n")
+    alive = subprocess.Popen(["sleep", "30"])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        loadgen._warm_up(alive, "http://x", "m", "some prompt", 16, log)
+        assert sent[-1] == {"model": "m", "prompt": "some prompt", "max_tokens": 16, "ignore_eos": True}
+        outcome.append(http.client.IncompleteRead(b""))
+        with pytest.raises(RuntimeError, match="the warm-up request failed: IncompleteRead"):
+            loadgen._warm_up(alive, "http://x", "m", "p", 16, log)
+        outcome.append(ConnectionRefusedError(111, "Connection refused"))
+        died = r"server died before the warm-up request answered: .*illegal memory"
+        with pytest.raises(RuntimeError, match=died):
+            loadgen._warm_up(dead, "http://x", "m", "p", 16, log)
+    finally:
+        alive.kill()
+        alive.wait()
 
 
 def test_guidellm_losing_a_level_s_updates_runs_once_more_and_a_second_loss_is_the_error(

@@ -6,6 +6,7 @@ count), sampling the server's process-group memory, and shut the server down wha
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from pipeline.workers.protocol import (
 from pipeline.workers.serving import post_json, run_argv
 
 MIB = 1024**2
+WARM_UP_TIMEOUT_S = 300  # one request of the workload's shape (pipeline.serving.load_timeout_s)
 
 
 def op_toolchain(req: dict[str, Any]) -> dict[str, Any]:
@@ -50,22 +52,33 @@ def wait_ready(server: subprocess.Popen[bytes], base: str, log: Path, timeout_s:
 
 
 def warm_up_prompt(tokenizer: Any, tokens: int) -> str:
-    """A text of `tokens` tokens (as `tokenizer` encodes it, special tokens apart): the warm-up's
-    prompt at the workload's length."""
+    """A text of at most `tokens` tokens as `tokenizer` encodes it again (special tokens apart; the
+    server adds its BOS, as to GuideLLM's prompts): the warm-up's prompt at the workload's length."""
     unit = tokenizer.encode(" The quick brown fox jumps over the lazy dog.", add_special_tokens=False)
-    return tokenizer.decode((unit * (tokens // len(unit) + 1))[:tokens])
+    ids = (unit * (tokens // len(unit) + 1))[:tokens]
+    text = tokenizer.decode(ids)
+    while len(tokenizer.encode(text, add_special_tokens=False)) > tokens:  # a merge across the cut
+        ids = ids[:-1]
+        text = tokenizer.decode(ids)
+    return text
 
 
-def _warm_up(base: str, model_id: str, prompt: str, tokens: int) -> None:
-    """One request of the workload's shape before measuring it: the first request pays for paging
-    the weights in (and for compiling, on vLLM), and the first at a workload's length for what the
-    engine builds on first use (H100, 2026-12-07: SGLang with FlashInfer attention, whose "Hello"
-    warm-up left ~5 s in level 1's first 512-token request): the server's start, not its serving."""
+def _warm_up(
+    server: subprocess.Popen[bytes], base: str, model_id: str, prompt: str, tokens: int, log: Path
+) -> None:
+    """One request of the workload's shape before measuring it (all `tokens` generated, as GuideLLM
+    asks: ignore_eos): the first request pays for paging the weights in (and for compiling, on vLLM),
+    and the first at a workload's length for what the engine builds on first use (H100, 2026-12-07:
+    SGLang with FlashInfer attention, whose "Hello" warm-up left ~5 s in level 1's first 512-token
+    request): the server's start, not its serving."""
+    body = {"model": model_id, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True}
     try:
-        post_json(f"{base}/v1/completions", {"model": model_id, "prompt": prompt, "max_tokens": tokens},
-                  timeout=300)  # fmt: skip
-    except (OSError, ValueError) as exc:
-        raise RuntimeError(f"the warm-up request failed: {exc}") from None
+        post_json(f"{base}/v1/completions", body, timeout=WARM_UP_TIMEOUT_S)
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        if server.poll() is not None:  # the root cause, whatever the request said
+            why = last_error_line(log.read_text(errors="replace"))
+            raise RuntimeError(f"the server died before the warm-up request answered: {why}") from None
+        raise RuntimeError(f"the warm-up request failed: {exc!r}") from None
 
 
 def _stop(server: subprocess.Popen[bytes]) -> None:
@@ -88,6 +101,12 @@ def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
     base = f"http://127.0.0.1:{port}"
     argv = run_argv(req["argv"], req["model_dir"], python=req["python"])
     log = Path(req["server_log"])
+    from transformers import AutoTokenizer  # (the guidellm set's: GuideLLM reads it too)
+
+    try:  # before the server's start: a tokenizer that cannot load wastes none
+        tokenizer = AutoTokenizer.from_pretrained(req["tokenizer"])
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(f"the tokenizer at {req['tokenizer']} did not load: {exc}") from None
     t0 = time.perf_counter()
     env = {**os.environ, **{k: os.environ.get(k, v) for k, v in req.get("server_env", {}).items()}}
     with log.open("wb") as sink:
@@ -97,13 +116,10 @@ def op_benchmark(req: dict[str, Any]) -> dict[str, Any]:
     try:
         model_id = wait_ready(server, base, log, req["ready_timeout_s"])
         ready_s = time.perf_counter() - t0
-        from transformers import AutoTokenizer  # (the guidellm set's: GuideLLM reads it too)
-
-        tokenizer = AutoTokenizer.from_pretrained(req["tokenizer"])
 
         def measure(workload: dict[str, Any]) -> dict[str, Any]:
             prompt = warm_up_prompt(tokenizer, workload["prompt_tokens"])
-            _warm_up(base, model_id, prompt, workload["output_tokens"])
+            _warm_up(server, base, model_id, prompt, workload["output_tokens"], log)
             return _measure(server, base, model_id, req["tokenizer"], workload, log)
 
         runs = [measure(workloads[0])]

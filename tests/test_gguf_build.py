@@ -464,10 +464,11 @@ def test_a_failing_benchmark_is_recorded_and_never_touches_the_artifact(
 ) -> None:
     """The happy path runs in the end-to-end test on SmolLM2's artifacts. Here each way the
     benchmark can fail: a server that never gets ready (inside a build: the artifact is still
-    published and resolves), then on that artifact a port taken by another process and a load
-    generator that crashes (GuideLLM cannot load the tokenizer). Each is `failed` with the reason,
-    and no server is left behind. Last, the same artifact benchmarked: GuideLLM ran each level's
-    own request count (whole waves: 2 at concurrency 1, 4 at 2)."""
+    published and resolves), then on that artifact a port taken by another process and a tokenizer
+    that cannot load (the load generator's, refused before it starts a server; GuideLLM's own exit:
+    test_workers.py). Each is `failed` with the reason, and no server is left behind. Last, the
+    same artifact benchmarked: GuideLLM ran each level's own request count (whole waves: 2 at
+    concurrency 1, 4 at 2)."""
     import pipeline.serving
     from pipeline.manifest import read_manifest
     from pipeline.serving import benchmark
@@ -497,11 +498,15 @@ def test_a_failing_benchmark_is_recorded_and_never_touches_the_artifact(
     reason = got["llama.cpp"].reason
     assert re.search(r"exited with code [1-9]\d* before it was ready: .*couldn't bind HTTP server", reason)
 
+    server_log = _isolated_artifacts / "tiny" / ".logs" / "gguf-f16-llamacpp-bench-server.log"
+    before = server_log.read_bytes()  # the port-taken run's
     copy = tmp_path / "broken-tokenizer"
     shutil.copytree(artifact, copy)
     (copy / "tokenizer.json").write_text("{not json")
     got = benchmark(ctx, "gguf-f16", copy, manifest.validation, command)
-    assert got["llama.cpp"].status == "failed" and "guidellm exited with code" in got["llama.cpp"].reason
+    assert got["llama.cpp"].status == "failed"
+    assert re.search(r"the tokenizer at .*broken-tokenizer did not load", got["llama.cpp"].reason)
+    assert server_log.read_bytes() == before  # no server started
     assert llama_servers(_isolated_artifacts) == [] and llama_servers(tmp_path) == []
     assert read_manifest(artifact) == manifest
 

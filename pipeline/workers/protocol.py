@@ -216,6 +216,15 @@ LLAMA_ERROR_MARK = "llama.cpp error: "
 LLAMA_EXITING = "exiting due to"  # llama-server's last words after the error that made it stop
 
 
+def exit_reason(server: subprocess.Popen[bytes], log: Path) -> str | None:
+    """Why a server process stopped, the last error line of its log (last_error_line); None while it
+    runs. Asked whenever a request to it fails: a dead server is the root cause, whatever the
+    request said."""
+    if server.poll() is None:
+        return None
+    return last_error_line(log.read_text(errors="replace"))
+
+
 def last_error_line(output: str) -> str:
     """The line of a server's output that says why it stopped: the last `...Error: ...` (or
     uvicorn's `ERROR:`, llama.cpp's level-E) line, else the last non-empty one. Where that line only

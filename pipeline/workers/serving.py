@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.workers.protocol import dying_with_parent, last_error_line
+from pipeline.workers.protocol import dying_with_parent, exit_reason
 
 # The tolerance: the served answer may leave the offline greedy answer only where the offline
 # engine itself rated the two tokens within this many nats (a near-tie: the deploy command's CUDA
@@ -70,11 +70,9 @@ def serve_check(req: dict[str, Any], engine: str, ask: Ask) -> dict[str, Any]:
     base = f"http://127.0.0.1:{port}"
     try:
         while True:
-            if server.poll() is not None:
-                raise RuntimeError(
-                    f"{engine} server exited with code {server.returncode} before it was ready: "
-                    f"{last_error_line(server_log.read_text(errors='replace'))}"
-                )
+            if (why := exit_reason(server, server_log)) is not None:
+                code = server.returncode
+                raise RuntimeError(f"{engine} server exited with code {code} before it was ready: {why}")
             if time.perf_counter() - t0 > req["ready_timeout_s"]:
                 raise RuntimeError(f"{engine} server not ready after {req['ready_timeout_s']}s")
             try:  # every engine answers 503 (or refuses) until the model is loaded and warmed up

@@ -181,13 +181,27 @@ def report(
     html: Annotated[
         Path | None, typer.Option("--html", help="Also write one self-contained page: table and plots.")
     ] = None,
+    beside: Annotated[
+        list[Path] | None,
+        typer.Option("--beside", help="Another recipe whose rows the page and --json show too (repeatable)."),
+    ] = None,
+    beside_artifacts: Annotated[
+        Path | None,
+        typer.Option(help="The --beside recipes' artifacts (default: PIPELINE_ARTIFACTS or ./artifacts)."),
+    ] = None,
 ) -> None:
     """Every built target's validation numbers in one table (and the DVC size-vs-ΔPPL data)."""
     # the metrics files alone: a recipe built on another host (its source there) reports here too
     project = _run(lambda: Project.open(recipe, files=False))
+    others = _run(lambda: _beside_records(beside or [], beside_artifacts))
     rows = _run(project.report)
+    shown = [(project.loaded.recipe.name, rows), *others]
+    if others:  # each row names its recipe
+        rows = [{"recipe": name, **r} for name, records in shown for r in records]
     if html is not None:
-        page = _run(lambda: write_html(project.loaded.recipe.name, report_rows(rows), html))
+        title = shown[0][0] + (f" beside {', '.join(n for n, _ in others)}" if others else "")
+        named = [row for name, records in shown for row in report_rows(records, name if others else None)]
+        page = _run(lambda: write_html(title, named, html))
         err.print(f"report page: {page}", highlight=False)
     if as_json:
         out.print_json(json.dumps(rows))
@@ -197,7 +211,7 @@ def report(
         table.add_column(col)
     for r in rows:
         table.add_row(
-            r["target"],
+            f"{r['recipe']}: {r['target']}" if others else r["target"],
             r["engine"],
             r["quant"],
             r["status"] or "-",
@@ -209,6 +223,20 @@ def report(
         )
     out.print(table)
     out.print(KLD_NOTE, highlight=False)
+
+
+def _beside_records(paths: list[Path], root: Path | None) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Each --beside recipe's name and metrics records under `root`; one without any is an error (a
+    wrong --beside-artifacts, most likely: never a page silently without it)."""
+    shown = []
+    for path in paths:
+        other = Project.open(path, root, files=False)
+        records = other.metrics_records()
+        if not records:
+            name, where = other.loaded.recipe.name, root or artifacts_root()
+            raise PipelineError(f"--beside {path}: no target of {name} has metrics under {where}")
+        shown.append((other.loaded.recipe.name, records))
+    return shown
 
 
 # What the speed and KL columns mean (pipeline.workers.scoring has the definitions).

@@ -202,14 +202,20 @@ class Project:
         sweep_leftovers(self.layout)
         return self.context(reporter).reference()[1]
 
-    def report(self) -> list[dict[str, Any]]:
-        """Every target's metrics as one list (the DVC size-vs-ΔPPL scatter's data)."""
+    def metrics_records(self) -> list[dict[str, Any]]:
+        """Every target's metrics files as one list, read only (a target built on both hosts is a
+        record each)."""
         rows = []
         for target in self.loaded.recipe.targets:
-            for host in ("cpu", "gpu"):  # a target built on both hosts is a row each
+            for host in ("cpu", "gpu"):
                 path = self.layout.metrics_path(target, gpu_host=host == "gpu")
                 if path.is_file():
                     rows.append({"target": target, "host": host, **json.loads(path.read_text())})
+        return rows
+
+    def report(self) -> list[dict[str, Any]]:
+        """Every target's metrics as one list, written as the DVC size-vs-ΔPPL scatter's data."""
+        rows = self.metrics_records()
         # DVC's plot loader fails on the serving keys ("argument of type 'NoneType' is not
         # iterable", dvc 3.x): the scatter's file keeps the per-artifact columns only.
         plotted = [{k: v for k, v in row.items() if not k.startswith("serving_")} for row in rows]

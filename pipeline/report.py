@@ -2,7 +2,9 @@
 and two Vega-Lite plots made with Altair (size vs ΔPPL; serving throughput vs TTFT p99 per
 concurrency level, per engine), with the Vega/Vega-Lite/vega-embed JavaScript inlined by
 vl-convert, so the page opens offline. The rows are the recipe's DVC metrics files
-(`Project.report()`), so targets built on a GPU host appear once their metrics are committed.
+(`Project.report()`), so targets built on a GPU host appear once their metrics are committed;
+`--beside RECIPE` adds another recipe's rows (the GPU host's 7B serving recipes beside the CPU
+host's), each row then naming its recipe, the plots on log scales.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import html
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,7 @@ class ReportRow:
     more_serving: list[ServingPoint] = field(default_factory=list)  # further workloads' levels
     serving_device: str | None = None  # where the serving benchmark ran (a GPU's name, or cpu)
     bound_share_c1: float | None = None  # concurrency 1's share of the bandwidth bound
+    recipe: str | None = None  # the recipe it belongs to, where a page shows several
 
     @classmethod
     def from_metrics(cls, record: dict[str, Any], engine: str | None = None) -> ReportRow:
@@ -116,6 +119,11 @@ class ReportRow:
         """Where its serving numbers come from, for the table and the chart's series."""
         return self.serving_device or f"{self.host} host"
 
+    @property
+    def label(self) -> str:
+        """The target's name, prefixed with its recipe's where the page shows several."""
+        return f"{self.recipe}: {self.target}" if self.recipe else self.target
+
     def at(self, concurrency: int | None) -> ServingPoint | None:
         """The level measured at `concurrency` (the lowest one for None)."""
         if not self.serving:
@@ -125,9 +133,10 @@ class ReportRow:
         return next((p for p in self.serving if p.concurrency == concurrency), None)
 
 
-def report_rows(records: list[dict[str, Any]]) -> list[ReportRow]:
-    """A row per target, and one more per other engine its serving benchmark measured."""
-    rows = []
+def report_rows(records: list[dict[str, Any]], recipe: str | None = None) -> list[ReportRow]:
+    """A row per target, and one more per other engine its serving benchmark measured (each naming
+    `recipe`, for a page of several)."""
+    rows: list[ReportRow] = []
     for record in records:
         rows.append(ReportRow.from_metrics(record))
         primary = record.get("engine")
@@ -137,12 +146,12 @@ def report_rows(records: list[dict[str, Any]]) -> list[ReportRow]:
             for e in others
             if record.get(f"{serving_metrics_head(e, primary)}_workload")
         ]
-    return rows
+    return [replace(r, recipe=recipe) for r in rows] if recipe else rows
 
 
 def write_html(recipe: str, rows: list[ReportRow], path: Path) -> Path:
-    """Write the report page of `recipe` to `path` (atomically); a one-line error where the
-    plotting libraries are missing or nothing was built."""
+    """Write the report page of `recipe` (the recipes' names, for a page of several) to `path`
+    (atomically); a one-line error where the plotting libraries are missing or nothing was built."""
     if not rows:
         raise PipelineError(f"nothing to report for {recipe}: no target has metrics yet (run pipeline build)")
     try:
@@ -162,14 +171,16 @@ def write_html(recipe: str, rows: list[ReportRow], path: Path) -> Path:
 
 def _size_chart(alt: Any, rows: list[ReportRow]) -> Any:
     values = [
-        {"target": r.target, "engine": r.engine, "quant": r.quant, "status": r.status or "-",
+        {"target": r.label, "engine": r.engine, "quant": r.quant, "status": r.status or "-",
          "size_mib": r.size_mib, "ppl_delta_pct": r.ppl_delta_pct}
         for r in rows if r.size_mib is not None and r.ppl_delta_pct is not None
     ]  # fmt: skip
     if not values:
         return None
+    # models of several recipes differ by orders of magnitude in size
+    size = alt.Scale(type="log") if _several_recipes(rows) else alt.Scale(zero=False)
     base = alt.Chart(alt.Data(values=values)).encode(
-        x=alt.X("size_mib:Q", title="size (MiB)", scale=alt.Scale(zero=False)),
+        x=alt.X("size_mib:Q", title="size (MiB)", scale=size),
         y=alt.Y("ppl_delta_pct:Q", title="ΔPPL vs reference (%)"),
     )
     points = base.mark_point(size=90, filled=True).encode(
@@ -183,18 +194,20 @@ def _size_chart(alt: Any, rows: list[ReportRow]) -> Any:
 
 def _serving_chart(alt: Any, rows: list[ReportRow]) -> Any:
     values = [
-        {"target": r.target, "engine": r.engine, "concurrency": p.concurrency,
+        {"target": r.label, "engine": r.engine, "concurrency": p.concurrency,
          "ttft_ms_p99": p.ttft_ms_p99, "output_tokens_per_s": p.output_tokens_per_s,
-         "itl_ms_p99": p.itl_ms_p99, "measured_on": r.measured_on, "series": f"{r.target} ({r.measured_on})"}
+         "itl_ms_p99": p.itl_ms_p99, "measured_on": r.measured_on, "series": f"{r.label} ({r.measured_on})"}
         for r in rows for p in r.serving
-        if p.ttft_ms_p99 is not None and p.output_tokens_per_s is not None
+        if p.ttft_ms_p99 and p.output_tokens_per_s  # (none or zero: nothing finished, no point)
     ]  # fmt: skip
     if not values:
         return None
+    # a CPU host's small model beside a GPU's 7B: tokens/s and latency orders of magnitude apart
+    scale = alt.Scale(type="log") if _several_recipes(rows) else alt.Scale()
     base = alt.Chart(alt.Data(values=values)).encode(
-        x=alt.X("ttft_ms_p99:Q", title="TTFT p99 (ms)"),
-        y=alt.Y("output_tokens_per_s:Q", title="output tokens/s"),
-        color=alt.Color("series:N", title="target (measured on)"),
+        x=alt.X("ttft_ms_p99:Q", title="TTFT p99 (ms)", scale=scale),
+        y=alt.Y("output_tokens_per_s:Q", title="output tokens/s", scale=scale),
+        color=alt.Color("series:N", title="target (measured on)", legend=alt.Legend(labelLimit=420)),
     )
     lines = base.mark_line(point=True).encode(
         order="concurrency:Q",
@@ -210,6 +223,20 @@ def _serving_chart(alt: Any, rows: list[ReportRow]) -> Any:
         .facet(column=alt.Column("engine:N", title="engine"))
         .properties(title="Serving: throughput vs TTFT p99 (point labels: concurrency)")
     )
+
+
+def _several_recipes(rows: list[ReportRow]) -> bool:
+    return len({r.recipe for r in rows}) > 1
+
+
+def _recipe_cell(rows: list[ReportRow], r: ReportRow) -> tuple[str, ...]:
+    """The recipe column's cell, on a page of several recipes."""
+    return (_cell(r.recipe),) if _several_recipes(rows) else ()
+
+
+def _head(rows: list[ReportRow], columns: tuple[str, ...]) -> str:
+    named = ("recipe", *columns) if _several_recipes(rows) else columns
+    return "".join(f"<th>{html.escape(c)}</th>" for c in named)
 
 
 TABLE_COLUMNS = (
@@ -244,11 +271,12 @@ def _cut(incomplete: int | None, streamed: float | None = None) -> str:
 
 
 def _table(rows: list[ReportRow]) -> str:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in TABLE_COLUMNS)
+    head = _head(rows, TABLE_COLUMNS)
     body = []
     for r in rows:
         low, high = r.at(None), (r.serving[-1] if r.serving else None)
         cells = (
+            *_recipe_cell(rows, r),
             _cell(r.target), _cell(r.engine), _cell(r.quant), _cell(r.status), _cell(f"{r.host} host"),
             _cell(r.size_mib, ".1f"),
             _cell(r.ppl_delta_pct, "+.2f"), _cell(r.kld_mean, ".4f"), _cell(r.kld_topk_mean, ".4f"),
@@ -278,6 +306,7 @@ def _levels_table(rows: list[ReportRow]) -> str:
     for r in rows:
         for p in [*r.serving, *r.more_serving]:
             cells = (
+                *_recipe_cell(rows, r),
                 _cell(r.target), _cell(r.engine), _cell(r.measured_on), _cell(p.workload),
                 _cell(p.concurrency),
                 f"{_cell(p.ttft_ms_p50, '.0f')} / {_cell(p.ttft_ms_p99, '.0f')}",
@@ -289,7 +318,7 @@ def _levels_table(rows: list[ReportRow]) -> str:
             body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     if not body:
         return ""
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in LEVEL_COLUMNS)
+    head = _head(rows, LEVEL_COLUMNS)
     return f'<table class="levels"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
@@ -314,6 +343,7 @@ Promise.all(Object.entries(specs).map(([id, spec]) =>
   .catch(e => {{ document.body.dataset.error = String(e); console.error(e); }});
 """
     title = html.escape(f"pipeline report: {recipe}")
+    text_columns = 4 + _several_recipes(rows)  # left-aligned: the recipe's, target's, engine's...
     inline_js = bundle.replace("</script", "<\\/script")
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{title}</title>
@@ -321,7 +351,7 @@ Promise.all(Object.entries(specs).map(([id, spec]) =>
 body {{ font-family: system-ui, sans-serif; margin: 2em; }}
 table {{ border-collapse: collapse; margin-bottom: 2em; }}
 th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }}
-th:nth-child(-n+4), td:nth-child(-n+4) {{ text-align: left; }}
+th:nth-child(-n+{text_columns}), td:nth-child(-n+{text_columns}) {{ text-align: left; }}
 tr.status-failed td {{ background: #fde8e8; }}
 .chart {{ margin-bottom: 2em; }}
 .empty {{ color: #666; font-style: italic; }}
@@ -329,7 +359,7 @@ tr.status-failed td {{ background: #fde8e8; }}
 <script>{inline_js}</script>
 </head><body>
 <h1>{title}</h1>
-<p>{len(rows)} targets. ΔPPL, KLD and agreement against the recipe's fp32 transformers reference;
+<p>{len(rows)} rows. ΔPPL, KLD and agreement against the recipe's fp32 transformers reference;
 KLD top-k ≥ is the lower bound from an engine's top-64 logprobs; serving numbers from the recipe's
 serving benchmark (GuideLLM under each artifact's serve command), each on the host that measured it
 (a target built on both the CPU host and the GPU host is a row each); the bandwidth bound is

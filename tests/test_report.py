@@ -281,3 +281,58 @@ def test_a_gpu_host_s_build_reports_here_without_its_source(
     assert gptq["serving_c128_output_tokens_per_s"] > 6000 and gptq["serving_2048x256_c1_itl_ms_p50"] < 5
     built = CliRunner().invoke(app, ["build", str(recipe)])  # building does need the source here
     assert built.exit_code != 0 and "source.path" in built.output
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_gpu_hosts_7b_numbers_are_shown_beside_the_cpu_hosts(
+    tmp_path: Path, tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    """`--beside`: the committed GPU-host metrics (gpu/artifacts: the H100's 7B serving recipes) on
+    the CPU host's page, each row naming its recipe, both hosts' serving levels in one plot (log
+    scales: ~50 against ~9,000 tokens/s), and in --json."""
+    recipe = _built(tiny_recipe_dir, _isolated_artifacts)
+    committed = sorted((REPO / "gpu/artifacts").rglob("*"))
+    before = {f: f.stat().st_mtime_ns for f in committed}
+    page = tmp_path / "report.html"
+    beside = ["--beside", str(REPO / "benchmarks/gpu/qwen2-7b-serving.yaml"),
+              "--beside", str(REPO / "benchmarks/gpu/qwen2-7b-serving-llama.yaml"),
+              "--beside-artifacts", str(REPO / "gpu/artifacts")]  # fmt: skip
+    res = CliRunner().invoke(app, ["report", str(recipe), "--html", str(page), "--json", *beside])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output[res.output.index("[") :])
+    by_recipe = {r["recipe"] for r in rows}
+    assert by_recipe == {"tiny", "qwen2-7b-serving", "qwen2-7b-serving-llama"}
+    [q8] = [r for r in rows if (r["recipe"], r["target"]) == ("qwen2-7b-serving-llama", "gguf-q8_0")]
+    assert q8["serving_device"] == "NVIDIA H100 80GB HBM3" and q8["serving_c1_output_tokens_per_s"] > 100
+    text = page.read_text()
+    assert "pipeline report: tiny beside qwen2-7b-serving, qwen2-7b-serving-llama" in text
+    assert "<th>recipe</th>" in text and "<td>qwen2-7b-serving-llama</td>" in text
+    assert '"type": "log"' in text
+    dom = render_in_chromium(page, tmp_path / "profile")
+    assert 'data-rendered="2"' in dom and "data-error" not in dom
+    points = chart_points(dom, SERVING_CHART)
+    tiny = [p for p in points if "target: tiny: " in p]
+    assert len(tiny) == 4  # the CPU host's two artifacts x two levels
+    gpu = [p for p in points if "measured_on: NVIDIA H100 80GB HBM3" in p]
+    assert len(gpu) >= 8 * 4 and any("target: qwen2-7b-serving: modelopt-fp8" in p for p in gpu)
+    # the committed GPU-host files were only read (the DVC scatter data is the main recipe's alone)
+    assert sorted((REPO / "gpu/artifacts").rglob("*")) == committed
+    assert {f: f.stat().st_mtime_ns for f in committed} == before
+
+
+def test_a_beside_recipe_without_metrics_is_one_clear_error(
+    tmp_path: Path, tiny_recipe_dir: Path, _isolated_artifacts: Path
+) -> None:
+    """A wrong --beside-artifacts never makes a page silently without the other recipe."""
+    recipe = _built(tiny_recipe_dir, _isolated_artifacts)
+    page = tmp_path / "report.html"
+    other = str(REPO / "benchmarks/gpu/qwen2-7b-serving.yaml")
+    res = CliRunner().invoke(app, ["report", str(recipe), "--html", str(page), "--beside", other,
+                                   "--beside-artifacts", str(tmp_path / "elsewhere")])  # fmt: skip
+    assert res.exit_code == 1, res.output
+    assert "--beside" in res.output and "no target of qwen2-7b-serving has metrics under" in res.output
+    assert not page.exists()
+    res = CliRunner().invoke(app, ["report", str(recipe), "--beside", str(tmp_path / "none.yaml")])
+    assert res.exit_code == 2 and "none.yaml" in res.output

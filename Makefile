@@ -3,7 +3,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup build check test lint bench lock
+.PHONY: setup build check test lint bench lock report
 setup: $(VENV)/.setup-done
 
 $(VENV)/.setup-done: scripts/setup.sh scripts/uv.sh pyproject.toml $(wildcard envs/*.lock)
@@ -24,6 +24,11 @@ test: setup  ## lint + the whole suite (includes a real end-to-end build)
 	$(BIN)/ruff check pipeline tests benchmarks
 	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" --durations=12
 	$(BIN)/pytest -q -m serial
+
+report: setup  ## the report page: the default recipe's CPU rows beside the GPU host's committed 7B ones
+	$(BIN)/pipeline report recipes/smollm2-135m.yaml --html bench-out/report.html \
+		--beside benchmarks/gpu/qwen2-7b-serving.yaml --beside benchmarks/gpu/qwen2-7b-serving-llama.yaml \
+		--beside-artifacts gpu/artifacts
 
 bench: setup  ## benchmark script: prints numbers
 	$(BIN)/python benchmarks/bench_gguf.py

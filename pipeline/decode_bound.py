@@ -66,9 +66,11 @@ def decode_bound(
     context_tokens: int,
     gpu_name: str | None,
     tokens_per_s_c1: float | None,
+    engine_mode: list[str] | None = None,
 ) -> DecodeBound:
     """The bound on `gpu_name` (None: a CPU host, no bandwidth figure) with the KV cache of
-    `context_tokens`, and the measured concurrency-1 output tokens/s as a share of it."""
+    `context_tokens`, and the measured concurrency-1 output tokens/s as a share of it; a flag below
+    LOW_SHARE names the kernels and mode its server logged (`engine_mode`)."""
     per_token = weights_bytes + kv_per_token * context_tokens
     bandwidth = GPU_MEMORY_BANDWIDTH_GBS.get(gpu_name) if gpu_name else None
     bound = bandwidth * 1e9 / per_token if bandwidth else None
@@ -90,8 +92,12 @@ def decode_bound(
         bound_tokens_per_s=round(bound, 1) if bound else None,
         share_c1=round(share, 4) if share is not None else None,
         flag=(
-            f"below {LOW_SHARE:.0%} of its bandwidth bound at concurrency 1: not bandwidth-bound "
-            "(look at the kernel and mode its server logged)"
+            f"below {LOW_SHARE:.0%} of its bandwidth bound at concurrency 1: not bandwidth-bound, "
+            + (
+                f"decoding with {'; '.join(engine_mode)}"
+                if engine_mode
+                else "its server logged no kernel or mode line"
+            )
         )
         if low
         else None,

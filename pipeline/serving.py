@@ -85,7 +85,7 @@ def _engine_benchmark(
     engine: str,
     serve_argv: ServeArgv,
     port: int | None,
-    bound: Callable[[dict[str, Any], dict[str, ServingLevel]], DecodeBound | None],
+    bound: Callable[[dict[str, Any], dict[str, ServingLevel], list[str]], DecodeBound | None],
     log: str,
 ) -> ServingResult:
     """One engine's serving benchmark: its server on loopback, every workload and level."""
@@ -119,6 +119,8 @@ def _engine_benchmark(
         raise
     except EngineError as exc:
         return ServingResult(status="failed", reason=str(exc), workload=workload, **where)
+    logged = server_log.read_text(errors="replace")
+    mode = engine_mode(engine, logged)
     runs = []
     for load, run in zip(spec.workloads(), got["runs"], strict=True):
         if run.get("error"):
@@ -127,7 +129,7 @@ def _engine_benchmark(
         levels = {str(lv["concurrency"]): ServingLevel(**lv) for lv in run["levels"]}
         seconds = round(run["seconds"], 2)
         runs.append(
-            WorkloadRun(workload=load, seconds=seconds, levels=levels, decode_bound=bound(load, levels))
+            WorkloadRun(workload=load, seconds=seconds, levels=levels, decode_bound=bound(load, levels, mode))
         )
     first, *more = runs
     return ServingResult(
@@ -137,7 +139,8 @@ def _engine_benchmark(
         seconds=round(got["seconds"], 2),
         levels=first.levels,
         **where,
-        kv_cache=kv_cache_report(engine, server_log.read_text(errors="replace")),
+        kv_cache=kv_cache_report(engine, logged),
+        engine_mode=mode,
         decode_bound=first.decode_bound,
         more_workloads=more,
     )
@@ -214,9 +217,16 @@ def kv_cache_report(engine: str, server_log: str) -> dict[str, Any] | None:
     return report
 
 
+def engine_mode(engine: str, server_log: str) -> list[str]:
+    """The lines' words its server logged naming its kernels and mode: the first match of each of
+    the engine's mode_log patterns, in their order (vLLM logs some twice, API server and engine)."""
+    found = (re.search(pattern, server_log) for pattern in ENGINES[engine].mode_log)
+    return [m[0] for m in found if m]
+
+
 def _decode_bound(
     ctx: BuildContext, artifact: Path, weights_read: Callable[[], int] | None
-) -> Callable[[dict[str, Any], dict[str, ServingLevel]], DecodeBound | None]:
+) -> Callable[[dict[str, Any], dict[str, ServingLevel], list[str]], DecodeBound | None]:
     """Batch-1 decoding's bandwidth bound on this host's GPU (pipeline.decode_bound) for a workload
     and its concurrency-1 level. The weights and the model's shape are read once, at the first
     bound asked for (a GGUF's through a recorded llama.cpp step: a record whose benchmark never ran
@@ -232,13 +242,15 @@ def _decode_bound(
         except (OSError, ValueError, KeyError, EngineError):
             return 0, 0
 
-    def bound(workload: dict[str, Any], levels: dict[str, ServingLevel]) -> DecodeBound | None:
+    def bound(
+        workload: dict[str, Any], levels: dict[str, ServingLevel], mode: list[str]
+    ) -> DecodeBound | None:
         weights, kv = shape()
         if not weights:
             return None
         c1 = levels.get("1")
         context = workload["prompt_tokens"] + workload["output_tokens"]
         measured = c1.output_tokens_per_s if c1 and not c1.cut else None  # a cut level is no rate
-        return decode_bound(weights, kv, context, local_gpu_name(), measured)
+        return decode_bound(weights, kv, context, local_gpu_name(), measured, mode)
 
     return bound

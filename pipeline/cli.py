@@ -231,11 +231,12 @@ def _beside_records(paths: list[Path], root: Path | None) -> list[tuple[str, lis
     shown = []
     for path in paths:
         other = Project.open(path, root, files=False)
-        records = other.metrics_records()
+        name, records = other.loaded.recipe.name, other.metrics_records()
         if not records:
-            name, where = other.loaded.recipe.name, root or artifacts_root()
-            raise PipelineError(f"--beside {path}: no target of {name} has metrics under {where}")
-        shown.append((other.loaded.recipe.name, records))
+            raise PipelineError(
+                f"--beside {path}: no target of {name} has metrics under {root or artifacts_root()}"
+            )
+        shown.append((name, records))
     return shown
 
 

@@ -229,13 +229,9 @@ def _several_recipes(rows: list[ReportRow]) -> bool:
     return len({r.recipe for r in rows}) > 1
 
 
-def _recipe_cell(rows: list[ReportRow], r: ReportRow) -> tuple[str, ...]:
-    """The recipe column's cell, on a page of several recipes."""
-    return (_cell(r.recipe),) if _several_recipes(rows) else ()
-
-
-def _head(rows: list[ReportRow], columns: tuple[str, ...]) -> str:
-    named = ("recipe", *columns) if _several_recipes(rows) else columns
+def _head(several: bool, columns: tuple[str, ...]) -> str:
+    """A table's header row, led by a recipe column on a page of several recipes."""
+    named = ("recipe", *columns) if several else columns
     return "".join(f"<th>{html.escape(c)}</th>" for c in named)
 
 
@@ -271,12 +267,13 @@ def _cut(incomplete: int | None, streamed: float | None = None) -> str:
 
 
 def _table(rows: list[ReportRow]) -> str:
-    head = _head(rows, TABLE_COLUMNS)
+    several = _several_recipes(rows)
+    head = _head(several, TABLE_COLUMNS)
     body = []
     for r in rows:
         low, high = r.at(None), (r.serving[-1] if r.serving else None)
         cells = (
-            *_recipe_cell(rows, r),
+            *((_cell(r.recipe),) if several else ()),
             _cell(r.target), _cell(r.engine), _cell(r.quant), _cell(r.status), _cell(f"{r.host} host"),
             _cell(r.size_mib, ".1f"),
             _cell(r.ppl_delta_pct, "+.2f"), _cell(r.kld_mean, ".4f"), _cell(r.kld_topk_mean, ".4f"),
@@ -302,11 +299,12 @@ LEVEL_COLUMNS = (
 
 def _levels_table(rows: list[ReportRow]) -> str:
     """Every serving level of every target: latency percentiles, throughput and peak memory."""
+    several = _several_recipes(rows)
     body = []
     for r in rows:
         for p in [*r.serving, *r.more_serving]:
             cells = (
-                *_recipe_cell(rows, r),
+                *((_cell(r.recipe),) if several else ()),
                 _cell(r.target), _cell(r.engine), _cell(r.measured_on), _cell(p.workload),
                 _cell(p.concurrency),
                 f"{_cell(p.ttft_ms_p50, '.0f')} / {_cell(p.ttft_ms_p99, '.0f')}",
@@ -318,7 +316,7 @@ def _levels_table(rows: list[ReportRow]) -> str:
             body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     if not body:
         return ""
-    head = _head(rows, LEVEL_COLUMNS)
+    head = _head(several, LEVEL_COLUMNS)
     return f'<table class="levels"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 

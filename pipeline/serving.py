@@ -193,20 +193,24 @@ def load_timeout_s(spec: ServingBenchmarkSpec) -> float:
     return READY_TIMEOUT_S + per_workload * len(spec.workloads())
 
 
+def _serve_knob(engine: str, serve: ServeSpec, knob: str | None) -> Any:
+    """The value of `knob` in the engine's section of the serve spec (None: no knob or section)."""
+    section = getattr(serve, ENGINES[engine].env, None) if knob else None
+    return getattr(section, knob) if knob and section is not None else None
+
+
 def memory_setting(engine: str, serve: ServeSpec) -> dict[str, Any]:
     """The serve command's memory reservation knob and its value (the engine table names it)."""
     knob = ENGINES[engine].memory_knob
-    section = getattr(serve, ENGINES[engine].env, None) if knob else None
-    return {knob: getattr(section, knob)} if knob and section is not None else {}
+    value = _serve_knob(engine, serve, knob)
+    return {knob: value} if knob and value is not None else {}
 
 
 def gpu_layers_setting(engine: str, serve: ServeSpec) -> int | None:
     """How many layers the deploy command puts on the GPU where it may keep others in host memory
     (the engine table's gpu_layers_knob); None: all of them, or an engine that has no such knob."""
-    knob = ENGINES[engine].gpu_layers_knob
-    section = getattr(serve, ENGINES[engine].env, None) if knob else None
-    value = getattr(section, knob) if knob and section is not None else -1
-    return None if value == -1 else int(value)
+    value = _serve_knob(engine, serve, ENGINES[engine].gpu_layers_knob)
+    return None if value is None or value == -1 else int(value)
 
 
 def kv_cache_report(engine: str, server_log: str) -> dict[str, Any] | None:

@@ -696,6 +696,7 @@ def serving_record(ours: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
         "device": ours.get("device"),
         "memory_setting": ours.get("memory_setting"),
         "kv_cache": ours.get("kv_cache"),
+        "engine_mode": ours.get("engine_mode"),  # its server's kernel and mode lines (none before 2026-12-07)
         "raw_command": raw.get("command"),
         "raw_status": raw["status"],
         "raw_reason": raw.get("reason"),

@@ -11,7 +11,8 @@ for each card and workload the latest file that served an artifact wins (files o
 then run number), a workload that failed, or a later run of only some of its levels (`CONCURRENCY`),
 leaving an earlier row standing (the later run's ratios are named beside it); under each card, a
 served artifact missing one of the two workloads, measured over a fixed window only or without a
-project / raw ratio is listed with its gaps.
+project / raw ratio is listed with its gaps, and a workload below 30 % of its bound at one stream
+with the kernels and mode it used.
 An engine setting tried beside a command (`settings`) is a row of its own. An artifact no file
 served is listed with the reason its latest row gives, or as never run."""
 
@@ -176,6 +177,24 @@ def setting_lines(label: str, engine: str, settings: dict[str, Any], source: str
     return lines
 
 
+def flagged_line(
+    label: str, engine: str, target: str, serving: dict[str, Any], run: dict[str, Any], kernels: list[str]
+) -> str:
+    """A flagged workload: its share of the bound, the linear kernels its engine named while
+    validating the artifact (the kit's `kernels`: vLLM names one, llama.cpp none) and the kernel and
+    mode lines its benchmark server logged (`engine_mode`, recorded from 2026-12-07)."""
+    bound = run["decode_bound"]
+    named = "; ".join(kernels) if kernels else f"none named in {engine}'s validation logs"
+    mode = serving.get("engine_mode")
+    unrecorded = "not recorded (runs before 2026-12-07)"
+    logged = "; ".join(mode) if mode else "no such line" if mode is not None else unrecorded
+    return (
+        f"- {label} in {engine} (`{target}`), {_shape(run['workload'])}: {bound['share_c1']:.0%} of "
+        f"{bound['bound_tokens_per_s']:,.0f} tok/s; kernel at validation: {named}; "
+        f"its benchmark server logged: {logged}"
+    )
+
+
 def _why_not(row: dict[str, Any] | None) -> str:
     """Why an artifact has no serving numbers, from its latest row: its build or verdict, else its
     serving record."""
@@ -204,6 +223,7 @@ def table(files: list[Path]) -> str:
     with_raw: dict[str, dict[tuple[str, str, str], tuple[str, str]]] = {}  # latest measured ratios
     latest: dict[tuple[str, str], dict[str, Any]] = {}
     attempts: dict[str, dict[tuple[str, str], str]] = {}  # card -> the latest failed serving record
+    kernels: dict[tuple[str, str, str, str], list[str]] = {}  # (card, target, engine, shape) -> its row's
     # every settings sweep, also one of a run that did not serve the artifact again (`settings`
     # without `serve`: its deploy command's numbers are an earlier file's)
     sweeps: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
@@ -227,6 +247,7 @@ def table(files: list[Path]) -> str:
                 runs = cards.setdefault(card, {}).setdefault(key, {})
                 if shape not in runs or not set(run["levels"]) < set(runs[shape][2]["levels"]):
                     runs[shape] = (path, serving, run)  # a later run of fewer levels leaves the row
+                    kernels[(card, *key, shape)] = row.get("kernels") or []
                 if ratios := _ratio_range(run["levels"]):
                     with_raw.setdefault(card, {})[(*key, shape)] = (path.name, ratios)
     out = [
@@ -251,18 +272,28 @@ def table(files: list[Path]) -> str:
             "from |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        tried = []
+        tried, flagged = [], []
         for target, engine, label in EXPECTED:
             for shape, (path, serving, run) in sorted(
                 served.get((target, engine), {}).items(), key=lambda kv: _shape_order(kv[0])
             ):
                 earlier = with_raw.get(card, {}).get((target, engine, shape))
                 out += [workload_line(label, engine, serving, run, path.name, earlier)]
+                if (run.get("decode_bound") or {}).get("flag"):
+                    named = kernels[(card, target, engine, shape)]
+                    flagged.append(flagged_line(label, engine, target, serving, run, named))
             for path, row in sweeps.get(card, []):
                 if (row["target"], row.get("engine")) == (target, engine):
                     tried += setting_lines(label, engine, row["settings"], path.name)
         if gaps := _gaps(served, with_raw.get(card, {}), attempts.get(card, {})):
             out += ["", "Served on this card, with gaps:", "", *gaps]
+        if flagged:
+            out += [
+                "",
+                "Below 30 % of the bound at one stream (flagged), with its kernels and mode:",
+                "",
+                *flagged,
+            ]
         if tried:
             out += [
                 "",

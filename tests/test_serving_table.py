@@ -67,6 +67,24 @@ def test_the_latest_run_of_a_card_wins_and_marks_what_a_cap_cut(tmp_path: Path) 
     assert "| 0.900 |" in fp8  # one ratio, every level: shown once
 
 
+def test_a_flagged_workload_names_its_validation_kernel_and_its_server_s_mode_lines(tmp_path: Path) -> None:
+    old, new = _row("gptq", "H100", 100.0), _row("awq", "H100", 100.0)
+    old["kernels"] = ["MacheteLinearKernel for CompressedTensorsWNA16"]  # no engine_mode: an older run
+    new["serving"]["engine_mode"] = ["Using FLASH_ATTN attention backend", "Enforce eager set"]
+    fine = _row("gptq-gptqmodel", "H100", 100.0)
+    fine["serving"]["workloads"][0]["decode_bound"] = {"share_c1": 0.5, "bound_tokens_per_s": 200.0}
+    text = serving_table.table([_write(tmp_path / "h100-2026-12-05-serving.json", [old, new, fine])])
+    flagged = text.split("(flagged), with its kernels and mode:")[1].strip().split("\n\n")[0].splitlines()
+    assert flagged == [
+        "- GPTQ W4A16 g128 (llm-compressor) in vllm (`gptq`), 512/128: 25% of 400 tok/s; kernel at "
+        "validation: MacheteLinearKernel for CompressedTensorsWNA16; its benchmark server logged: not "
+        "recorded (runs before 2026-12-07)",
+        "- AWQ W4A16 g128 (llm-compressor) in vllm (`awq`), 512/128: 25% of 400 tok/s; kernel at "
+        "validation: none named in vllm's validation logs; its benchmark server logged: Using FLASH_ATTN "
+        "attention backend; Enforce eager set",
+    ]
+
+
 def test_an_artifact_no_card_served_names_its_reason(tmp_path: Path) -> None:
     failed = {"target": "awq", "engine": "vllm", "device": "H100", "status": "failed",
               "reason": "vllm: the server did not start"}  # fmt: skip

@@ -741,6 +741,11 @@ SERVE_SETTINGS: dict[str, dict[str, tuple[dict[str, str], list[str]]]] = {
         # (h100-2026-12-07-serving-run4.md)
         "flashinfer attention": ({}, ["--attention-backend", "flashinfer"]),
         "torch.compile": ({}, ["--enable-torch-compile"]),
+        # prefill chunks in the same batches as running decodes (SGLang's default runs them apart):
+        # H100, 2026-12-07, AWQ at 2048/256, its throughput at 8-128 streams is c x 256 tokens over
+        # c x 2,048 prefill tokens at ~21,700 tokens/s plus 256 decode steps, to 1 % (0.44x vLLM's at
+        # 128, whose chunked prefill overlaps decoding; h100-2026-12-07-serving-run5.md)
+        "mixed chunk": ({}, ["--enable-mixed-chunk"]),
     },
     "llama.cpp": {
         "flash attention on": ({}, ["-fa", "on"]),  # llama-server's default is auto

@@ -273,6 +273,8 @@ ENGINES: dict[str, Engine] = {
                 r"Using \w+Kernel for \w+\b(?!-)",
                 r"Using \w+ attention backend",
                 r"Enforce eager set|Cudagraph is disabled under eager mode|Graph capturing finished in \d+ s",
+                # its scheduler: prefill chunks beside running decodes, up to this many tokens a step
+                r"Chunked prefill is enabled with max_num_batched_tokens=\d+",
             ),
         ),
         Engine(
@@ -285,11 +287,15 @@ ENGINES: dict[str, Engine] = {
             kv_cache_log=r"KV Cache is allocated\. dtype: \S+, #tokens: (?P<tokens>\d+), "
             r"K size: (?P<k_gb>[\d.]+) GB, V size: (?P<v_gb>[\d.]+) GB",
             # its ServerArgs line; a kernel only for AWQ ("Using awq_marlin kernel"): SGLang 0.5.17
-            # names none for a compressed-tensors checkpoint
+            # names none for a compressed-tensors checkpoint. Its scheduler: the prefill chunk, and
+            # whether chunks share a batch with running decodes (by default not: H100 2026-12-07, AWQ
+            # at 2048/256, prefill then decode in waves, 0.44x vLLM's tokens/s at 128 streams)
             mode_log=(
                 r"Using \w+ kernel\b",
                 r"\battention_backend=(?:'\w+'|None)",
                 r"\bdisable_cuda_graph=\w+",
+                r"\bchunked_prefill_size=-?\d+",
+                r"\benable_mixed_chunk=\w+",
             ),
         ),
         # trtllm-serve is an OpenAI server too, but only on a GPU build host with TensorRT-LLM

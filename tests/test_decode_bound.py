@@ -134,7 +134,8 @@ MODE_LINES = {
     ENGINE_SGLANG: (
         "[2026-12-07 08:21:51] server_args=ServerArgs(constrained_json_disable_any_whitespace=False, "
         "attention_backend='triton', decode_attention_backend=None, disable_prefill_cuda_graph=False, "
-        "disable_decode_cuda_graph=False, disable_cuda_graph=False, disable_cuda_graph_padding=False)\n"
+        "disable_decode_cuda_graph=False, disable_cuda_graph=False, disable_cuda_graph_padding=False, "
+        "chunked_prefill_size=8192, enable_dynamic_chunking=False, enable_mixed_chunk=False)\n"
     ),
     ENGINE_LLAMACPP: "warning: no usable GPU found, --gpu-layers option will be ignored\n",
 }
@@ -148,6 +149,10 @@ def test_the_kernels_and_mode_a_server_logged_are_read_and_named_by_a_low_share_
     ]
     graphs = "INFO [gpu_model_runner.py:6582] Graph capturing finished in 5 secs, took 0.52 GiB\n"
     assert engine_mode(ENGINE_VLLM, graphs) == ["Graph capturing finished in 5 s"]
+    chunked = "INFO [scheduler.py:252] Chunked prefill is enabled with max_num_batched_tokens=8192.\n"
+    assert engine_mode(ENGINE_VLLM, chunked) == [
+        "Chunked prefill is enabled with max_num_batched_tokens=8192"
+    ]
     # the scheme's line, not the kernel's "for mixed-precision linear" before it
     assert engine_mode(ENGINE_VLLM, MODE_LINES["vllm-cpu"]) == [
         "Using CPUWNA16LinearKernel for CompressedTensorsWNA16"
@@ -156,6 +161,8 @@ def test_the_kernels_and_mode_a_server_logged_are_read_and_named_by_a_low_share_
     assert engine_mode(ENGINE_SGLANG, MODE_LINES[ENGINE_SGLANG]) == [
         "attention_backend='triton'",
         "disable_cuda_graph=False",
+        "chunked_prefill_size=8192",
+        "enable_mixed_chunk=False",
     ]
     awq = "[2026-12-05 05:30:01] Using awq_marlin kernel\n" + MODE_LINES[ENGINE_SGLANG]
     assert engine_mode(ENGINE_SGLANG, awq)[0] == "Using awq_marlin kernel"

@@ -194,6 +194,11 @@ class SglangServe(Strict):
     # None: SGLang's own choice (FlashAttention 3 on Hopper); "triton" where FA3 is not installed
     attention_backend: Literal["triton", "fa3", "flashinfer", "torch_native"] | None = None
     disable_cuda_graph: bool = False  # a faster start, slower decoding
+    # --enable-mixed-chunk: prefill chunks in the same batches as running decodes. SGLang's default
+    # (off) prefills apart: an H100, 2026-12-07, AWQ at 2048/256, went in waves and served 0.44x
+    # vLLM's tokens/s at 128 streams (benchmarks/results/h100-2026-12-07-serving-run5.md); its
+    # effect there is the GPU kit's `mixed chunk` setting row, not yet measured
+    enable_mixed_chunk: bool = False
 
 
 class TrtllmServe(Strict):

@@ -317,7 +317,12 @@ def test_the_serve_knobs_reach_both_engines_commands() -> None:
             "enforce_eager": True,
             "linear_backend": "marlin",
         },
-        sglang={"context_length": 2048, "attention_backend": "triton", "disable_cuda_graph": True},
+        sglang={
+            "context_length": 2048,
+            "attention_backend": "triton",
+            "disable_cuda_graph": True,
+            "enable_mixed_chunk": True,
+        },
     )
     command = command_line(vllm.serve_argv(serve, "compressed-tensors", "float16"))
     assert command.endswith(
@@ -326,7 +331,7 @@ def test_the_serve_knobs_reach_both_engines_commands() -> None:
     )
     command = command_line(sglang.serve_argv(serve, "compressed-tensors", "float16"))
     assert "--port 9000 --context-length 2048" in command
-    assert command.endswith("--attention-backend triton --disable-cuda-graph")
+    assert command.endswith("--attention-backend triton --disable-cuda-graph --enable-mixed-chunk")
     default = command_line(vllm.serve_argv(ServeSpec(), "modelopt", "bfloat16"))
     assert "--enforce-eager" not in default and "--linear-backend" not in default  # vLLM's own choice
     with pytest.raises(ValueError, match="linear_backend"):

@@ -35,6 +35,7 @@ def serve_argv(serve: ServeSpec, quantization: str | None, dtype: str) -> list[s
     argv += ["--tp", str(serve.tp_size)] if serve.tp_size > 1 else []
     argv += ["--attention-backend", knobs.attention_backend] if knobs.attention_backend else []
     argv += [EAGER_FLAG] if knobs.disable_cuda_graph else []
+    argv += ["--enable-mixed-chunk"] if knobs.enable_mixed_chunk else []
     return argv
 
 

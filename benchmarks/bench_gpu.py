@@ -55,7 +55,7 @@ from pipeline.engines.serving import ARTIFACT_DIR, free_port, local_argv  # noqa
 from pipeline.environments import UsageSampler, environment, local_gpu_name, run_step  # noqa: E402
 from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.project import Project  # noqa: E402
-from pipeline.serving import load_request, load_timeout_s, tokenizer_dir  # noqa: E402
+from pipeline.serving import engine_mode, load_request, load_timeout_s, tokenizer_dir  # noqa: E402
 from pipeline.spec import workload_shape  # noqa: E402
 
 RAW = REPO / "benchmarks" / "raw_tools.py"
@@ -838,10 +838,15 @@ def setting_rows(
         by_level = {lv["concurrency"]: lv for lv in got["runs"][0]["levels"]}
         one = by_level.get(1) or {}
         tps = _rate(one)
+        server_log = Path(request["server_log"])
         rows[name] = {
             "status": "passed",
             "env": env,
             "args": extra,
+            # what that server logged of its kernels and mode: the setting took effect, or not
+            "engine_mode": engine_mode(
+                engine, server_log.read_text(errors="replace") if server_log.is_file() else ""
+            ),
             "output_tokens_per_s": tps,
             "itl_ms_p50": one.get("itl_ms_p50"),
             "peak_rss_mib": one.get("peak_rss_mib"),

@@ -316,6 +316,10 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
     def load(env_name: str, request: dict, log: Path, timeout_s: float) -> dict:
         sent.append(request)
         flash = "-fa" in request["argv"]
+        if flash:  # a mode line in that server's log only
+            server_log = Path(request["server_log"])
+            server_log.parent.mkdir(parents=True, exist_ok=True)
+            server_log.write_text("warning: no usable GPU found, --gpu-layers option will be ignored\n")
         levels = [_level(1, 150.0 if flash else 100.0), _level(4, 200.0 if flash else 250.0)]
         return {"runs": [{"seconds": 1.0, "levels": levels}]}
 
@@ -359,6 +363,10 @@ def test_each_setting_is_the_recorded_command_with_one_change_and_a_host_overrid
     )
     assert rows["flash attention"]["ratio"] == 1.5 and rows["flash attention"]["share_of_bound"] == 0.375
     assert rows["flash attention"]["levels"]["4"]["ratio"] == 0.8  # faster alone, slower at a full batch
+    assert rows["flash attention"]["engine_mode"] == [
+        "no usable GPU found, --gpu-layers option will be ignored"
+    ]
+    assert rows["as recorded"]["engine_mode"] == []  # its server logged no such line
     assert rows["as recorded"]["levels"]["4"]["output_tokens_per_s"] == 250.0
     assert "1" not in rows["as recorded"]["levels"]  # concurrency 1 is the row itself
     assert rows["a variable"]["status"] == "skipped" and "KIT_TEST_VAR" in rows["a variable"]["reason"]

@@ -213,17 +213,20 @@ def _without_paths(reason: object) -> str:
     return str(reason).split(" (")[0]
 
 
+# a workload's row: its file, the serving record, the run of that workload, the validation kernels
+ServedRun = tuple[Path, dict[str, Any], dict[str, Any], list[str]]
+
+
 def table(files: list[Path]) -> str:
     """The markdown: one section per card (its rows, its gaps, its settings sweeps), then what no
     card has served."""
     rows = load_rows(files)
-    # card -> (target, engine) -> workload shape -> the latest file, serving record and run of it
-    # (a later run of one workload leaves another workload's earlier row standing)
-    cards: dict[str, dict[tuple[str, str], dict[str, tuple[Path, dict[str, Any], dict[str, Any]]]]] = {}
+    # card -> (target, engine) -> workload shape -> the latest file, serving record and run of it,
+    # and its row's validation kernels (a later run of one workload leaves another's row standing)
+    cards: dict[str, dict[tuple[str, str], dict[str, ServedRun]]] = {}
     with_raw: dict[str, dict[tuple[str, str, str], tuple[str, str]]] = {}  # latest measured ratios
     latest: dict[tuple[str, str], dict[str, Any]] = {}
     attempts: dict[str, dict[tuple[str, str], str]] = {}  # card -> the latest failed serving record
-    kernels: dict[tuple[str, str, str, str], list[str]] = {}  # (card, target, engine, shape) -> its row's
     # every settings sweep, also one of a run that did not serve the artifact again (`settings`
     # without `serve`: its deploy command's numbers are an earlier file's)
     sweeps: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
@@ -246,8 +249,8 @@ def table(files: list[Path]) -> str:
                 shape = _shape(run["workload"])
                 runs = cards.setdefault(card, {}).setdefault(key, {})
                 if shape not in runs or not set(run["levels"]) < set(runs[shape][2]["levels"]):
-                    runs[shape] = (path, serving, run)  # a later run of fewer levels leaves the row
-                    kernels[(card, *key, shape)] = row.get("kernels") or []
+                    # a later run of fewer levels leaves the row
+                    runs[shape] = (path, serving, run, row.get("kernels") or [])
                 if ratios := _ratio_range(run["levels"]):
                     with_raw.setdefault(card, {})[(*key, shape)] = (path.name, ratios)
     out = [
@@ -274,14 +277,13 @@ def table(files: list[Path]) -> str:
         ]
         tried, flagged = [], []
         for target, engine, label in EXPECTED:
-            for shape, (path, serving, run) in sorted(
+            for shape, (path, serving, run, kernels) in sorted(
                 served.get((target, engine), {}).items(), key=lambda kv: _shape_order(kv[0])
             ):
                 earlier = with_raw.get(card, {}).get((target, engine, shape))
                 out += [workload_line(label, engine, serving, run, path.name, earlier)]
                 if (run.get("decode_bound") or {}).get("flag"):
-                    named = kernels[(card, target, engine, shape)]
-                    flagged.append(flagged_line(label, engine, target, serving, run, named))
+                    flagged.append(flagged_line(label, engine, target, serving, run, kernels))
             for path, row in sweeps.get(card, []):
                 if (row["target"], row.get("engine")) == (target, engine):
                     tried += setting_lines(label, engine, row["settings"], path.name)
@@ -314,7 +316,7 @@ def table(files: list[Path]) -> str:
 
 
 def _gaps(
-    served: dict[tuple[str, str], dict[str, tuple[Path, dict[str, Any], dict[str, Any]]]],
+    served: dict[tuple[str, str], dict[str, ServedRun]],
     ratios: dict[tuple[str, str, str], tuple[str, str]],
     failed: dict[tuple[str, str], str],
 ) -> list[str]:

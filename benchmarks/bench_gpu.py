@@ -55,7 +55,13 @@ from pipeline.engines.serving import ARTIFACT_DIR, free_port, local_argv  # noqa
 from pipeline.environments import UsageSampler, environment, local_gpu_name, run_step  # noqa: E402
 from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.project import Project  # noqa: E402
-from pipeline.serving import engine_mode, load_request, load_timeout_s, tokenizer_dir  # noqa: E402
+from pipeline.serving import (  # noqa: E402
+    engine_mode,
+    load_request,
+    load_timeout_s,
+    server_log_text,
+    tokenizer_dir,
+)
 from pipeline.spec import workload_shape  # noqa: E402
 
 RAW = REPO / "benchmarks" / "raw_tools.py"
@@ -844,9 +850,7 @@ def setting_rows(
             "env": env,
             "args": extra,
             # what that server logged of its kernels and mode: the setting took effect, or not
-            "engine_mode": engine_mode(
-                engine, server_log.read_text(errors="replace") if server_log.is_file() else ""
-            ),
+            "engine_mode": engine_mode(engine, server_log_text(server_log)),
             "output_tokens_per_s": tps,
             "itl_ms_p50": one.get("itl_ms_p50"),
             "peak_rss_mib": one.get("peak_rss_mib"),

@@ -122,7 +122,7 @@ def _engine_benchmark(
         raise
     except EngineError as exc:
         return ServingResult(status="failed", reason=str(exc), workload=workload, **where)
-    logged = server_log.read_text(errors="replace")
+    logged = server_log_text(server_log)
     mode = engine_mode(engine, logged)
     on_gpu = gpu_layers_setting(engine, serve)
     runs = []
@@ -234,6 +234,11 @@ def kv_cache_report(engine: str, server_log: str) -> dict[str, Any] | None:
     line_end = server_log.find("\n", found.end())
     report["line"] = server_log[line_start : line_end if line_end >= 0 else None].strip()[-300:]
     return report
+
+
+def server_log_text(server_log: Path) -> str:
+    """What a benchmark's server logged ("" where it wrote no log: no KV cache or mode lines then)."""
+    return server_log.read_text(errors="replace") if server_log.is_file() else ""
 
 
 def engine_mode(engine: str, server_log: str) -> list[str]:

@@ -17,7 +17,13 @@ from pipeline.decode_bound import (
     safetensors_tensor_bytes,
     weights_read_per_token,
 )
-from pipeline.serving import engine_mode, gpu_layers_setting, kv_cache_report, memory_setting
+from pipeline.serving import (
+    engine_mode,
+    gpu_layers_setting,
+    kv_cache_report,
+    memory_setting,
+    server_log_text,
+)
 from pipeline.spec import ServeSpec
 
 
@@ -139,6 +145,15 @@ MODE_LINES = {
     ),
     ENGINE_LLAMACPP: "warning: no usable GPU found, --gpu-layers option will be ignored\n",
 }
+
+
+def test_a_server_log_is_read_whole_and_a_missing_one_reads_as_nothing(tmp_path: Path) -> None:
+    log = tmp_path / "bench-server.log"
+    assert server_log_text(log) == ""  # no log written: no mode lines, no KV cache line, no error
+    assert engine_mode(ENGINE_SGLANG, server_log_text(log)) == []
+    log.write_bytes(MODE_LINES[ENGINE_SGLANG].encode() + b"\xff undecodable byte\n")
+    assert server_log_text(log).startswith(MODE_LINES[ENGINE_SGLANG])
+    assert engine_mode(ENGINE_SGLANG, server_log_text(log))[0] == "attention_backend='triton'"
 
 
 def test_the_kernels_and_mode_a_server_logged_are_read_and_named_by_a_low_share_flag() -> None:

@@ -844,13 +844,12 @@ def setting_rows(
         by_level = {lv["concurrency"]: lv for lv in got["runs"][0]["levels"]}
         one = by_level.get(1) or {}
         tps = _rate(one)
-        server_log = Path(request["server_log"])
         rows[name] = {
             "status": "passed",
             "env": env,
             "args": extra,
             # what that server logged of its kernels and mode: the setting took effect, or not
-            "engine_mode": engine_mode(engine, server_log_text(server_log)),
+            "engine_mode": engine_mode(engine, server_log_text(Path(request["server_log"]))),
             "output_tokens_per_s": tps,
             "itl_ms_p50": one.get("itl_ms_p50"),
             "peak_rss_mib": one.get("peak_rss_mib"),
@@ -1080,7 +1079,7 @@ def _kernels(logs: Path, target: str, engine: str) -> list[str]:
     log, server_log = logs / f"{target}.log", logs / f"{target}-{engine}-server.log"
     sections = log.read_text(errors="replace").split("\n=== ")[1:] if log.is_file() else []
     texts = [s for s in sections if s.startswith(f"pipeline.workers.{engine} op=validate")]
-    texts += [server_log.read_text(errors="replace")] if server_log.is_file() else []
+    texts.append(server_log_text(server_log))  # "" where that server wrote no log
     for text in texts:
         for m in KERNEL_LINE.finditer(text):
             found[" for ".join(g for g in m.groups()[:2] if g) if m.group(1) else m.group(3)] = None

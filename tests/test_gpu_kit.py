@@ -518,3 +518,22 @@ def test_a_bundle_of_some_environments_is_carried_apart_from_the_whole_set(tmp_p
     with tarfile.open(fileobj=io.BytesIO(joined)) as bundle:
         names = bundle.getnames()
     assert {n.split("/")[0] for n in names} == {"core", "guidellm"}
+
+
+def test_the_validation_kernels_come_from_the_engines_build_log_sections_and_its_server_log(
+    tmp_path: Path,
+) -> None:
+    import benchmarks.bench_gpu as bench
+
+    assert bench._kernels(tmp_path, "awq", "sglang") == []  # no logs at all: nothing named, no error
+    (tmp_path / "awq.log").write_text(
+        "header\n=== pipeline.workers.vllm op=validate\n"
+        "Using MacheteLinearKernel for CompressedTensorsWNA16\n"
+        "=== pipeline.workers.sglang op=validate\nloading with ExLlamaV2 weights\n"
+        "=== pipeline.workers.sglang op=serve_check\nUsing MarlinLinearKernel\n"
+    )
+    # only the engine's validate sections of the build log; no server log written: no error
+    assert bench._kernels(tmp_path, "awq", "sglang") == ["ExLlamaV2"]
+    (tmp_path / "awq-sglang-server.log").write_bytes(b"\xff [2026-12-05] Using awq_marlin kernel\n")
+    assert bench._kernels(tmp_path, "awq", "sglang") == ["ExLlamaV2", "awq_marlin"]
+    assert bench._kernels(tmp_path, "awq", "vllm") == ["MacheteLinearKernel for CompressedTensorsWNA16"]

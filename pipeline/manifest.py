@@ -207,7 +207,7 @@ class ServingResult(_Model):
     gpu_arch: str | None = None
     memory_setting: dict[str, Any] = {}  # the serve command's reservation knob and its value
     kv_cache: dict[str, Any] | None = None  # what the server logged when it allocated its KV cache
-    # its server's lines naming the kernels and mode it decoded with (pipeline.constants mode_log)
+    # its server's lines naming the kernels and mode it decoded with (pipeline.constants kernel_log, mode_log)
     engine_mode: list[str] = []
     decode_bound: DecodeBound | None = None
     more_workloads: list[WorkloadRun] = []

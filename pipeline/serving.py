@@ -242,9 +242,9 @@ def server_log_text(server_log: Path) -> str:
 
 
 def engine_mode(engine: str, server_log: str) -> list[str]:
-    """The lines' words its server logged naming its kernels and mode: the first match of each of
-    the engine's mode_log patterns, in their order (vLLM logs some twice, API server and engine)."""
-    found = (re.search(pattern, server_log) for pattern in ENGINES[engine].mode_log)
+    """The lines' words its server logged naming its kernel and mode: the first match of each of
+    the engine's mode patterns, in their order (vLLM logs some twice, API server and engine)."""
+    found = (re.search(pattern, server_log) for pattern in ENGINES[engine].mode_patterns)
     return [m[0] for m in found if m]
 
 

@@ -181,6 +181,11 @@ def test_the_kernels_and_mode_a_server_logged_are_read_and_named_by_a_low_share_
     ]
     awq = "[2026-12-05 05:30:01] Using awq_marlin kernel\n" + MODE_LINES[ENGINE_SGLANG]
     assert engine_mode(ENGINE_SGLANG, awq)[0] == "Using awq_marlin kernel"
+    forced = "Detected that the model can run with gptq_marlin, however you specified quantization=gptq"
+    forced_mode = engine_mode(ENGINE_SGLANG, f"{forced}\n{MODE_LINES[ENGINE_SGLANG]}")
+    assert forced_mode == engine_mode(ENGINE_SGLANG, MODE_LINES[ENGINE_SGLANG])  # no kernel chosen
+    fp8 = "Selected CutlassFP8ScaledMMLinearKernel for ModelOptFp8LinearMethod"
+    assert engine_mode(ENGINE_VLLM, f"INFO [fp8.py:88] {fp8}\n") == [fp8]
     assert engine_mode(ENGINE_LLAMACPP, MODE_LINES[ENGINE_LLAMACPP]) == [
         "no usable GPU found, --gpu-layers option will be ignored"
     ]

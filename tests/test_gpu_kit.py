@@ -529,11 +529,25 @@ def test_the_validation_kernels_come_from_the_engines_build_log_sections_and_its
     (tmp_path / "awq.log").write_text(
         "header\n=== pipeline.workers.vllm op=validate\n"
         "Using MacheteLinearKernel for CompressedTensorsWNA16\n"
-        "=== pipeline.workers.sglang op=validate\nloading with ExLlamaV2 weights\n"
-        "=== pipeline.workers.sglang op=serve_check\nUsing MarlinLinearKernel\n"
+        "=== pipeline.workers.sglang op=validate\n"
+        "The model is convertible to gptq_marlin during runtime. Using gptq_marlin kernel.\n"
+        "=== pipeline.workers.sglang op=serve_check\nUsing awq kernel\n"
     )
     # only the engine's validate sections of the build log; no server log written: no error
-    assert bench._kernels(tmp_path, "awq", "sglang") == ["ExLlamaV2"]
+    assert bench._kernels(tmp_path, "awq", "sglang") == ["gptq_marlin"]
     (tmp_path / "awq-sglang-server.log").write_bytes(b"\xff [2026-12-05] Using awq_marlin kernel\n")
-    assert bench._kernels(tmp_path, "awq", "sglang") == ["ExLlamaV2", "awq_marlin"]
+    assert bench._kernels(tmp_path, "awq", "sglang") == ["gptq_marlin", "awq_marlin"]
     assert bench._kernels(tmp_path, "awq", "vllm") == ["MacheteLinearKernel for CompressedTensorsWNA16"]
+    # a kernel the engine could have used but was told not to is no kernel it chose (SGLang 0.5.17
+    # named `--quantization gptq`); vLLM's FP8 kernel is "Selected"; llama.cpp names none
+    (tmp_path / "gptq.log").write_text(
+        "header\n=== pipeline.workers.sglang op=validate\nDetected that the model can run with gptq_marlin, "
+        "however you specified quantization=gptq explicitly, so forcing gptq.\n"
+        "=== pipeline.workers.vllm op=validate\n"
+        "INFO [modelopt.py:512] Selected CutlassFP8ScaledMMLinearKernel for ModelOptFp8LinearMethod\n"
+        "=== pipeline.workers.llamacpp op=validate\nload_tensors: offloaded 29/29 layers to GPU\n"
+    )
+    assert bench._kernels(tmp_path, "gptq", "sglang") == []
+    fp8 = "CutlassFP8ScaledMMLinearKernel for ModelOptFp8LinearMethod"
+    assert bench._kernels(tmp_path, "gptq", "vllm") == [fp8]
+    assert bench._kernels(tmp_path, "gptq", "llama.cpp") == []

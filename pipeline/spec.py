@@ -194,10 +194,10 @@ class SglangServe(Strict):
     # None: SGLang's own choice (FlashAttention 3 on Hopper); "triton" where FA3 is not installed
     attention_backend: Literal["triton", "fa3", "flashinfer", "torch_native"] | None = None
     disable_cuda_graph: bool = False  # a faster start, slower decoding
-    # --enable-mixed-chunk: prefill chunks in the same batches as running decodes. SGLang's default
-    # (off) prefills apart: an H100, 2026-12-07, AWQ at 2048/256, went in waves and served 0.44x
-    # vLLM's tokens/s at 128 streams (benchmarks/results/h100-2026-12-07-serving-run5.md); its
-    # effect there is the GPU kit's `mixed chunk` setting row, not yet measured
+    # --enable-mixed-chunk: prefill chunks in the same batches as running decodes. Off, SGLang's
+    # default: on an H100 at 2048/256 (GPTQ, 2026-12-08) it cut TTFT p50 at 128 streams from 11.5 to
+    # 3.1 s but raised ITL p50 from 15 to 58 ms and streamed 0.837x the tokens (0.978x at 32):
+    # benchmarks/results/h100-2026-12-08-serving.md; a recipe may set it where first tokens matter more
     enable_mixed_chunk: bool = False
 
 

@@ -166,15 +166,30 @@ def setting_lines(label: str, engine: str, settings: dict[str, Any], source: str
         # `levels`, or only the top one (`top`) in the sweeps before 2026-12-05's fourth session
         levels = {"1": {"output_tokens_per_s": s.get("output_tokens_per_s"), "ratio": s.get("ratio")}}
         levels |= s.get("levels") or ({str(s["top"]["concurrency"]): s["top"]} if s.get("top") else {})
+        recorded = (settings["settings"].get("as recorded") or {}).get("levels") or {}
         cells = [
             f"{_num(lv.get('output_tokens_per_s'), ',.1f')}{' cut' if lv.get('incomplete') else ''}"
-            f" ({_num(lv.get('ratio'), '.3f')})"
+            f" ({_num(lv.get('ratio'), '.3f')}{_setting_streamed(lv, recorded.get(c))})"
             if (lv := levels.get(c))
             else "–"
             for c in LEVELS
         ]
         lines.append(f"| {label} | {engine} | {name} | {shape} | {' | '.join(cells)} | {source} |")
     return lines
+
+
+def _setting_streamed(level: dict[str, Any], recorded: dict[str, Any] | None) -> str:
+    """Where a cap cut a setting's level or the same level as recorded: `; streamed R`, what the two
+    servers streamed inside the cap (recorded from 2026-12-08; from the streamed tokens/s both
+    levels kept in the files before)."""
+    ratio = level.get("streamed_ratio")
+    base = recorded or {}
+    if ratio is None and (level.get("incomplete") or base.get("incomplete")):
+        got, under = level.get("streamed_tokens_per_s"), base.get("streamed_tokens_per_s")
+        ratio = (
+            got / under if isinstance(got, int | float) and isinstance(under, int | float) and under else None
+        )
+    return f"; streamed {ratio:.3f}" if isinstance(ratio, int | float) else ""
 
 
 def flagged_line(

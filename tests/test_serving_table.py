@@ -146,6 +146,29 @@ def test_a_settings_sweep_the_lease_ended_shows_the_rows_it_wrote(tmp_path: Path
     assert "| GPTQ W4A16 g128 (llm-compressor) | vllm | as recorded | 512/128 | 100.0 (1.000) |" in text
 
 
+def test_a_setting_level_a_cap_cut_shows_what_each_server_streamed(tmp_path: Path) -> None:
+    """A cut setting level: the streamed ratio its row recorded, or (files before 2026-12-08) the one
+    its streamed tokens/s and the command's as recorded give; none where neither recorded it."""
+    row = _row("gptq", "H100", 100.0)
+    cut = {"output_tokens_per_s": 1429.3, "ratio": None, "incomplete": 128, "streamed_tokens_per_s": 1641.2}
+    one = {"status": "passed", "output_tokens_per_s": 228.9, "ratio": 1.0}
+    recorded = {**cut, "output_tokens_per_s": 1638.4, "streamed_tokens_per_s": 1960.7}
+    settings = {
+        "as recorded": {**one, "levels": {"128": recorded}},
+        "mixed chunk": {**one, "levels": {"128": cut}},
+        "recorded": {**one, "levels": {"128": {**cut, "streamed_ratio": 0.5}}},
+        "older": {**one, "levels": {"128": {**cut, "streamed_tokens_per_s": None}}},
+    }
+    row["settings"] = {"status": "passed", "workload": {"prompt_tokens": 2048, "output_tokens": 256},
+                       "settings": settings}  # fmt: skip
+    text = serving_table.table([_write(tmp_path / "h100-2026-12-08-serving.json", [row])])
+    lines = {line.split(" | ")[2]: line for line in text.splitlines() if " | 2048/256 | " in line}
+    assert lines["mixed chunk"].endswith("| 1,429.3 cut (–; streamed 0.837) | h100-2026-12-08-serving.json |")
+    assert "| 1,638.4 cut (–; streamed 1.000) |" in lines["as recorded"]
+    assert "| 1,429.3 cut (–; streamed 0.500) |" in lines["recorded"]
+    assert "| 1,429.3 cut (–) |" in lines["older"]
+
+
 def test_a_later_run_without_its_raw_side_shows_the_last_measured_ratio_and_where(tmp_path: Path) -> None:
     first = _write(tmp_path / "h100-2026-12-05-serving.json", [_row("gptq", "H100", 100.0, ratio=0.99)])
     later_row = _row("gptq", "H100", 200.0, ratio=None)

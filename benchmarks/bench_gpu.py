@@ -976,7 +976,7 @@ def settings_markdown(rows: list[dict[str, Any]], num: Any) -> str:
             change = " ".join([*(f"{k}={v}" for k, v in s["env"].items()), *s["args"]]) or "–"
             higher = "; ".join(
                 f"{lv['concurrency']}: {num(lv.get('output_tokens_per_s'), '.1f')}{_cut(lv)} "
-                f"({num(lv.get('ratio'), '.3f')}{_streamed_after(lv.get('streamed_ratio'))})"
+                f"({num(lv.get('ratio'), '.3f')}{_streamed(lv.get('streamed_ratio'), '; streamed {:.3f}')})"
                 for lv in (s.get("levels") or {}).values()
             )
             result = (
@@ -1053,14 +1053,10 @@ def serving_markdown(rows: list[dict[str, Any]], num: Any) -> str:
     return table
 
 
-def _streamed_after(ratio: float | None) -> str:
-    """The same inside a ratio's parentheses: `; streamed R`."""
-    return f"; streamed {ratio:.3f}" if ratio is not None else ""
-
-
-def _streamed(ratio: float | None) -> str:
-    """A cut level's ratio of what each side streamed inside the cap (its finished-only ratio is none)."""
-    return f" (streamed {ratio:.3f})" if ratio is not None else ""
+def _streamed(ratio: float | None, form: str = " (streamed {:.3f})") -> str:
+    """A cut level's ratio of what each side streamed inside the cap (its finished-only ratio is
+    none), in `form` (`; streamed {:.3f}` inside a ratio's parentheses)."""
+    return form.format(ratio) if ratio is not None else ""
 
 
 def _cut(level: dict[str, Any] | None) -> str:

@@ -156,7 +156,9 @@ def setting_lines(label: str, engine: str, settings: dict[str, Any], source: str
     load = settings.get("workload") or {}
     shape = f"{load.get('prompt_tokens', '?')}/{load.get('output_tokens', '?')}"
     lines = []
-    for name, s in (settings.get("settings") or {}).items():
+    tried = settings.get("settings") or {}
+    recorded = (tried.get("as recorded") or {}).get("levels") or {}  # each row's streamed ratio's base
+    for name, s in tried.items():
         if s.get("status") != "passed":
             lines.append(
                 f"| {label} | {engine} | {name} | {shape} | {s.get('status')}: {s.get('reason')} | | | | |"
@@ -166,7 +168,6 @@ def setting_lines(label: str, engine: str, settings: dict[str, Any], source: str
         # `levels`, or only the top one (`top`) in the sweeps before 2026-12-05's fourth session
         levels = {"1": {"output_tokens_per_s": s.get("output_tokens_per_s"), "ratio": s.get("ratio")}}
         levels |= s.get("levels") or ({str(s["top"]["concurrency"]): s["top"]} if s.get("top") else {})
-        recorded = (settings["settings"].get("as recorded") or {}).get("levels") or {}
         cells = [
             f"{_num(lv.get('output_tokens_per_s'), ',.1f')}{' cut' if lv.get('incomplete') else ''}"
             f" ({_num(lv.get('ratio'), '.3f')}{_setting_streamed(lv, recorded.get(c))})"

@@ -129,6 +129,10 @@ case "${1:-}" in
     while [ $SECONDS -lt "$end" ] && running; do sleep 10; done
     running && echo "still running" || echo "all ended"
     mkdir -p "$OUT" && cp "$BG/tests/pytest-gpu.log" "$OUT/" 2>/dev/null
+    # the results rows and manifests so far, small: a machine taken back between calls loses what
+    # `collect` had not yet brought (2026-12-08: a GGUF run's whole lease, taken back mid-`wait`)
+    cp /tmp/pipeline-work/[hg][0-9p]*-20*.json "$OUT/" 2>/dev/null
+    (cd /tmp/pipeline-work/artifacts 2>/dev/null && find . -name manifest.json | tar -czf "$OUT/manifests-so-far.tgz" -T - 2>/dev/null)
     grep -hE "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$BG/tests/pytest-gpu.log" 2>/dev/null | tail -n 12
     tail -n 6 "$BG/build.log" 2>/dev/null
     # build.log holds a target's lines only once it ends: the step log written last says where a

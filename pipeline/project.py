@@ -408,38 +408,43 @@ class Project:
 
     def _write_metrics(self, target: str, manifest: Manifest, gpu_host: bool) -> None:
         """One target's numbers, for `dvc metrics show` and the recipe's report."""
-        v = manifest.validation
-        m = v.metrics.model_dump() if v.metrics else {}
-        record = {
-            "status": v.status,
-            "engine": manifest.engine,
-            "quant": manifest.quant,
-            "size_mib": round(manifest.size_bytes / 2**20, 2),
-            "verdicts": {engine: verdict.status for engine, verdict in v.engines.items()},
-            **{k: m.get(k) for k in METRIC_COLUMNS},
-        }
-        # the host's contention while the engines validated (tokens_per_s) and served (each level)
-        shares = [s.others_cpu_share for s in manifest.build.steps if s.op == "validate"]
-        record["tokens_per_s_others_cpu_share"] = max((x for x in shares if x is not None), default=None)
-        if any(s.peak_gpu_mib is not None for s in manifest.build.steps):  # the report's build host
-            record["host"] = "gpu"  # (a CPU host's records stay as they were: its own directory's)
-        for engine, result in manifest.serving.items():
-            record[f"serving_{engine}"] = result.status
-            head = serving_metrics_head(engine, manifest.engine)
-            record[f"{head}_device"] = result.device  # where it was measured: a GPU's name or cpu
-            bound = result.decode_bound
-            record[f"{head}_bound_share_c1"] = bound.share_c1 if bound else None
-            if result.workload:
-                record[f"{head}_workload"] = workload_shape(result.workload)
-            for level in result.levels.values():
+        write_json_atomic(self.layout.metrics_path(target, gpu_host), metrics_record(manifest))
+
+
+def metrics_record(manifest: Manifest) -> dict[str, Any]:
+    """A target's metrics file (`dvc metrics show`, the report page) from its manifest."""
+    v = manifest.validation
+    m = v.metrics.model_dump() if v.metrics else {}
+    record = {
+        "status": v.status,
+        "engine": manifest.engine,
+        "quant": manifest.quant,
+        "size_mib": round(manifest.size_bytes / 2**20, 2),
+        "verdicts": {engine: verdict.status for engine, verdict in v.engines.items()},
+        **{k: m.get(k) for k in METRIC_COLUMNS},
+    }
+    # the host's contention while the engines validated (tokens_per_s) and served (each level)
+    shares = [s.others_cpu_share for s in manifest.build.steps if s.op == "validate"]
+    record["tokens_per_s_others_cpu_share"] = max((x for x in shares if x is not None), default=None)
+    if any(s.peak_gpu_mib is not None for s in manifest.build.steps):  # the report's build host
+        record["host"] = "gpu"  # (a CPU host's records stay as they were: its own directory's)
+    for engine, result in manifest.serving.items():
+        record[f"serving_{engine}"] = result.status
+        head = serving_metrics_head(engine, manifest.engine)
+        record[f"{head}_device"] = result.device  # where it was measured: a GPU's name or cpu
+        bound = result.decode_bound
+        record[f"{head}_bound_share_c1"] = bound.share_c1 if bound else None
+        if result.workload:
+            record[f"{head}_workload"] = workload_shape(result.workload)
+        for level in result.levels.values():
+            for key in SERVING_METRICS:
+                record[f"{head}_c{level.concurrency}_{key}"] = getattr(level, key)
+        for run in result.more_workloads:  # keyed by their shape: serving_2048x256_c8_...
+            prefix = f"{head}_{workload_shape(run.workload, 'x')}"
+            for level in run.levels.values():
                 for key in SERVING_METRICS:
-                    record[f"{head}_c{level.concurrency}_{key}"] = getattr(level, key)
-            for run in result.more_workloads:  # keyed by their shape: serving_2048x256_c8_...
-                prefix = f"{head}_{workload_shape(run.workload, 'x')}"
-                for level in run.levels.values():
-                    for key in SERVING_METRICS:
-                        record[f"{prefix}_c{level.concurrency}_{key}"] = getattr(level, key)
-        write_json_atomic(self.layout.metrics_path(target, gpu_host), record)
+                    record[f"{prefix}_c{level.concurrency}_{key}"] = getattr(level, key)
+    return record
 
 
 def inputs_sha256(

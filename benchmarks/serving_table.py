@@ -202,7 +202,7 @@ def flagged_line(
     bound = run["decode_bound"]
     named = "; ".join(kernels) if kernels else f"none named in {engine}'s validation logs"
     mode = serving.get("engine_mode")
-    unrecorded = "not recorded (runs before 2026-12-07)"
+    unrecorded = "not recorded (runs before 2026-12-07 12:05 UTC, when the kit began recording it)"
     logged = "; ".join(mode) if mode else "no such line" if mode is not None else unrecorded
     return (
         f"- {label} in {engine} (`{target}`), {_shape(run['workload'])}: {bound['share_c1']:.0%} of "

@@ -78,7 +78,7 @@ def test_a_flagged_workload_names_its_validation_kernel_and_its_server_s_mode_li
     assert flagged == [
         "- GPTQ W4A16 g128 (llm-compressor) in vllm (`gptq`), 512/128: 25% of 400 tok/s; kernel at "
         "validation: MacheteLinearKernel for CompressedTensorsWNA16; its benchmark server logged: not "
-        "recorded (runs before 2026-12-07)",
+        "recorded (runs before 2026-12-07 12:05 UTC, when the kit began recording it)",
         "- AWQ W4A16 g128 (llm-compressor) in vllm (`awq`), 512/128: 25% of 400 tok/s; kernel at "
         "validation: none named in vllm's validation logs; its benchmark server logged: Using FLASH_ATTN "
         "attention backend; Enforce eager set",

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from serving_table import file_order
+from serving_table import fewer_levels, file_order
 
 from pipeline.artifacts import write_json_atomic
 from pipeline.constants import METRICS_DIRNAME
@@ -64,22 +64,22 @@ def merged_serving(
 ) -> tuple[ServingResult, dict[str, str]]:
     """One engine's results (oldest first, each with its file) as one: the fields of the latest
     that served, each workload's numbers from the latest run that served it on that one's GPU."""
-    serving = [(source, result) for source, result in found if served(result)]
+    serving = [(source, result, runs) for source, result in found if (runs := served(result))]
     if not serving:  # never served: the latest result as it was recorded (its reason)
         return found[-1][1], {}
     latest = serving[-1][1]
     best: dict[str, Measured] = {}
-    for source, result in serving:
+    for source, result, runs in serving:
         if result.device != latest.device:
             print(
                 f"{source}: {engine} served on {result.device}, not {latest.device}: left out",
                 file=sys.stderr,
             )
             continue
-        for run in served(result):  # a failed workload leaves the earlier numbers standing
+        for run in runs:  # a failed workload leaves the earlier numbers standing
             shape = workload_shape(run.workload)
             held = best.get(shape)
-            if held and not set(held.run.levels) <= set(run.levels):
+            if held and fewer_levels(run.levels, held.run.levels):
                 print(f"{source}: {engine} {shape} ran levels {sorted(run.levels, key=int)} only: "
                       f"{held.source}'s stand", file=sys.stderr)  # fmt: skip
                 continue
@@ -106,9 +106,10 @@ def target_record(found: list[tuple[str, Manifest]]) -> dict[str, object]:
     """A target's metrics record from its manifests (oldest first): the latest's verdicts, every
     engine's workloads merged over the manifests of the same bytes."""
     source, latest = found[-1]
+    digest = files_digest(latest)
     same = []
     for path, manifest in found:
-        if files_digest(manifest) == files_digest(latest):
+        if files_digest(manifest) == digest:
             same.append((path, manifest))
         else:
             print(f"{path}: other bytes than {source}'s: left out", file=sys.stderr)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,12 @@ def file_order(path: Path) -> tuple[str, int]:
     """Date in the name, then its run number (a name without one is the day's first run)."""
     m = RUN.search(path.name)
     return (m.group(1), int(m.group(2) or 1)) if m else ("", 0)
+
+
+def fewer_levels(later: Iterable[str], held: Iterable[str]) -> bool:
+    """Whether a later run measured only some of the levels an earlier one did (`CONCURRENCY`):
+    the earlier one's numbers stand."""
+    return set(later) < set(held)
 
 
 def load_rows(files: list[Path]) -> list[tuple[Path, dict[str, Any]]]:
@@ -264,8 +271,7 @@ def table(files: list[Path]) -> str:
                     continue
                 shape = _shape(run["workload"])
                 runs = cards.setdefault(card, {}).setdefault(key, {})
-                if shape not in runs or not set(run["levels"]) < set(runs[shape][2]["levels"]):
-                    # a later run of fewer levels leaves the row
+                if shape not in runs or not fewer_levels(run["levels"], runs[shape][2]["levels"]):
                     runs[shape] = (path, serving, run, row.get("kernels") or [])
                 if ratios := _ratio_range(run["levels"]):
                     with_raw.setdefault(card, {})[(*key, shape)] = (path.name, ratios)
